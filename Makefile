@@ -1,0 +1,14 @@
+# The two commands of the quick start. Each installs what it needs on first use.
+.PHONY: setup demo test lint
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/art demo
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+lint: setup
+	.venv/bin/ruff check .

@@ -1,0 +1,70 @@
+"""art_core: the data model, models, gathering, backends and the trainer.
+
+The public API is listed in `__all__`. Heavy parts (torch, vLLM, the gateway) load lazily, so
+`import art_core` on a client machine is fast and needs no GPU stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from art_core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
+from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
+from art_core.model import DEFAULT_BASE_MODEL, Model, TrainableModel
+from art_core.trajectory import (
+    History,
+    RolloutError,
+    SampledTurn,
+    Trajectory,
+    TrajectoryGroup,
+    read_groups_jsonl,
+    write_groups_jsonl,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it, imported on first access
+_LAZY = {
+    "LocalBackend": "art_core.backend.local",
+    "RemoteBackend": "art_core.backend.remote",
+    "TrainResult": "art_core.backend.base",
+    "TrajectoryRecorder": "art_core.recorder",
+}
+
+if TYPE_CHECKING:
+    from art_core.backend.base import TrainResult
+    from art_core.backend.local import LocalBackend
+    from art_core.backend.remote import RemoteBackend
+    from art_core.recorder import TrajectoryRecorder
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'art_core' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_BASE_MODEL",
+    "EngineConfig",
+    "GatherError",
+    "History",
+    "LocalBackend",
+    "LoraConfig",
+    "Model",
+    "ModelConfig",
+    "RemoteBackend",
+    "RolloutError",
+    "SampledTurn",
+    "TrainConfig",
+    "TrainResult",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+    "TrajectoryRecorder",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "read_groups_jsonl",
+    "write_groups_jsonl",
+]

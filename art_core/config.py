@@ -1,0 +1,122 @@
+"""Typed configuration. Every field says what it does and why its default is what it is.
+
+Unknown keys are errors (`extra="forbid"`), never silently ignored (ARCHITECTURE invariant 5).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Strict):
+    """Shape of the LoRA adapter. Fixed when step 0 is created: it cannot change between steps."""
+
+    rank: int = Field(8, ge=1, le=256, description=(
+        "LoRA rank. RL carries little information per step, so a small rank matches full "
+        "fine-tuning (Schulman et al., 'LoRA Without Regret', 2025); 8 keeps CPU steps fast."))
+    alpha: int = Field(16, ge=1, description="LoRA alpha; alpha = 2 x rank is the common default.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Dropout makes the trainer's logprobs differ from the sampler's; off for RL."))
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"],
+        description="All attention and MLP projections: 'LoRA Without Regret' finds MLP layers "
+        "matter most; names fit Llama and Qwen.")
+
+
+class EngineConfig(_Strict):
+    """vLLM settings. Defaults work on a 2-core CPU host and on a CUDA host."""
+
+    max_model_len: int = Field(4096, ge=128, description=(
+        "Context length served. 4096 fits multi-turn agent rollouts of small models and keeps "
+        "the CPU KV cache (1 GiB by default) from being the limit."))
+    max_num_seqs: int = Field(16, ge=1, description=(
+        "Concurrent sequences per engine step. 16 keeps CPU latency reasonable; raise on GPUs."))
+    max_loras: int = Field(2, ge=1, description=(
+        "Adapters active in one batch: the current step and the one before it while it drains."))
+    max_cpu_loras: int = Field(4, ge=1, description="Adapters kept loaded; older ones are unloaded.")
+    tool_call_parser: str | None = Field("hermes", description=(
+        "vLLM tool-call parser. 'hermes' matches the chat template we ship for models whose own "
+        "template ignores tools (SmolLM2). None disables tool-call parsing."))
+    chat_template: str | None = Field(None, description=(
+        "Path to a Jinja chat template overriding the model's own; None keeps the model's."))
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
+        "'auto' lets vLLM pick (bf16 on CPU and modern GPUs)."))
+    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=0.95, description=(
+        "CUDA only. Share of GPU memory for vLLM; 0.45 leaves room for the trainer on one GPU."))
+    cpu_kv_cache_gib: int = Field(1, ge=1, description=(
+        "CPU only (VLLM_CPU_KVCACHE_SPACE). Without it vLLM tries to reserve 92% of RAM."))
+    cpu_threads: int = Field(1, ge=1, description=(
+        "CPU only. Threads for vLLM. One leaves a core to Python and the trainer; on 2 cores "
+        "oversubscription costs 3-10x (FIELD-NOTES)."))
+    enforce_eager: bool = Field(True, description=(
+        "Skip torch.compile/CUDA graphs: starts much faster; vLLM CPU runs eager with LoRA anyway."))
+    sleep_while_training: bool = Field(True, description=(
+        "CUDA only: put vLLM to sleep during a training step so the trainer gets the GPU memory."))
+    startup_timeout_s: float = Field(300.0, gt=0, description=(
+        "How long to wait for vLLM to report healthy. CPU start is ~20-30 s; slow disks more."))
+    extra_args: list[str] = Field(default_factory=list, description=(
+        "Extra command-line arguments passed to vLLM's server as they are."))
+
+
+class ModelConfig(_Strict):
+    """Per-model settings fixed at registration."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+LossName = Literal["cispo", "ppo", "gspo"]
+
+
+class TrainConfig(_Strict):
+    """One GRPO step. The defaults train SmolLM2-135M on CPU out of the box."""
+
+    learning_rate: float = Field(5e-5, gt=0, description=(
+        "AdamW learning rate. LoRA wants ~10x the full fine-tuning rate ('LoRA Without Regret'); "
+        "5e-5 is stable for 0.1-8B models in RL with rank 8."))
+    loss: LossName = Field("cispo", description=(
+        "'cispo': clipped, detached importance weight times logprob (MiniMax-M1, 2025; ART's "
+        "default), keeps a gradient on every token. 'ppo': PPO clipped ratio. 'gspo': "
+        "sequence-level ratio (Qwen GSPO, 2025)."))
+    epsilon_low: float | None = Field(None, ge=0, description=(
+        "Lower clip: ratio >= 1 - epsilon_low. None picks the loss's own default: "
+        "ppo 0.2 (PPO), cispo 1.0 (no lower bound, as in CISPO), gspo 3e-4 (GSPO paper)."))
+    epsilon_high: float | None = Field(None, ge=0, description=(
+        "Upper clip: ratio <= 1 + epsilon_high. None picks: ppo 0.28 (DAPO clip-higher), "
+        "cispo 4.0 (caps only outlier weights), gspo 4e-4 (GSPO paper)."))
+    kl_coef: float = Field(0.0, ge=0, description=(
+        "Weight of a k3 KL penalty to the base model (the adapter disabled is the reference). "
+        "Off by default: DAPO and Dr. GRPO found it unnecessary for verifiable rewards."))
+    scale_rewards: bool = Field(True, description=(
+        "Divide advantages by the group's reward std (GRPO). Dr. GRPO argues against it for "
+        "difficulty bias; on by default because RULER scores have arbitrary scale."))
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping: a standard guard.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; none for LoRA RL.")
+    micro_batch_size: int = Field(4, ge=1, description=(
+        "Sequences per forward/backward; gradients accumulate to one optimizer step per call."))
+    logprob_chunk_size: int = Field(512, ge=16, description=(
+        "Tokens per chunk when turning hidden states into logprobs, so the [B, T, vocab] logits "
+        "tensor is never held whole."))
+    gradient_checkpointing: bool = Field(True, description=(
+        "Recompute activations in backward: less memory for long agent sequences, ~20% slower."))
+    bf16: bool | None = Field(None, description=(
+        "bf16 autocast; None = where the hardware supports it (CUDA bf16 or CPU with AVX512-BF16/"
+        "AMX; ~2.3x faster than fp32 on these CPUs)."))
+    allow_retokenize: bool = Field(False, description=(
+        "Trajectories whose assistant turns carry no sampled tokens are an error unless this is "
+        "set; then they are rendered through the chat template (counted in a metric, warned)."))
+    seed: int = Field(0, description="Seed for the step's shuffling; results are reproducible.")
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(epsilon_low, epsilon_high), resolved to the loss's own defaults where unset."""
+        defaults = {"ppo": (0.2, 0.28), "cispo": (1.0, 4.0), "gspo": (3e-4, 4e-4)}[self.loss]
+        low = defaults[0] if self.epsilon_low is None else self.epsilon_low
+        high = defaults[1] if self.epsilon_high is None else self.epsilon_high
+        return low, high

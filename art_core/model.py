@@ -1,0 +1,105 @@
+"""`Model` (any OpenAI-compatible endpoint) and `TrainableModel` (a LoRA we train on a base).
+
+A `TrainableModel` is registered with a backend (`LocalBackend` or `RemoteBackend`), which fills
+in the endpoint; from then on `model.openai_client()` talks to the gateway, where the name
+`"<name>"` always means the latest checkpoint and `"<name>@<step>"` pins one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from art_core.config import ModelConfig
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+    from art_core.backend.base import Backend, TrainResult
+    from art_core.config import TrainConfig
+    from art_core.trajectory import TrajectoryGroup
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def validate_name(value: str, what: str = "name") -> str:
+    """Check a name that becomes a path component: letters, digits, '-', '_', '.'; not '..'."""
+    if not isinstance(value, str) or not _NAME.match(value) or set(value) == {"."}:
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-128 letters, digits, '-', '_' or '.', "
+            "with no path separators and not only dots"
+        )
+    return value
+
+
+class Model(BaseModel):
+    """Any model behind an OpenAI-compatible endpoint (used for inference only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    base_url: str | None = None
+    api_key: str | None = None
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        """An `AsyncOpenAI` client for this model's endpoint."""
+        from openai import AsyncOpenAI
+
+        if self.base_url is None:
+            raise RuntimeError(
+                f"model {self.name!r} has no endpoint yet: await model.register(backend) first"
+            )
+        kwargs.setdefault("timeout", 600.0)
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", **kwargs)
+
+
+class TrainableModel(Model):
+    """A LoRA adapter trained with GRPO on `base_model`; stored under `<path>/<project>/models/<name>/`."""
+
+    project: str = "default"
+    base_model: str = Field(
+        default=DEFAULT_BASE_MODEL,
+        description="Hugging Face id or local directory; the default is the embedded SmolLM2-135M.",
+    )
+    config: ModelConfig = Field(default_factory=ModelConfig)
+
+    _backend: Backend | None = PrivateAttr(default=None)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        return validate_name(v, "model name")
+
+    @field_validator("project")
+    @classmethod
+    def _valid_project(cls, v: str) -> str:
+        return validate_name(v, "project name")
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"model {self.name!r} is not registered: await model.register(backend)")
+        return self._backend
+
+    async def register(self, backend: Backend) -> None:
+        """Attach to a backend: it starts (or reuses) the engine and creates step 0 if new."""
+        endpoint = await backend.register(self)
+        self.base_url, self.api_key = endpoint.base_url, endpoint.api_key
+        self._backend = backend
+
+    async def get_step(self) -> int:
+        """The latest complete checkpoint step."""
+        return await self.backend.get_step(self)
+
+    async def train(
+        self, groups: list[TrajectoryGroup], config: TrainConfig | None = None
+    ) -> TrainResult:
+        """One GRPO step on `groups` (short form of `backend.train(model, groups, config)`)."""
+        return await self.backend.train(self, groups, config=config)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "reward_mean") -> list[int]:
+        """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""
+        return await self.backend.delete_checkpoints(self, best_checkpoint_metric)

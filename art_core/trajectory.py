@@ -1,0 +1,214 @@
+"""The data model every part shares: `Trajectory` and `TrajectoryGroup`.
+
+A trajectory is one rollout: the messages of a conversation in OpenAI chat format, the tools
+offered, a reward, and for every assistant turn the model *sampled* a `SampledTurn` with the exact
+token ids and logprobs the engine produced. Training uses those records, never a re-rendering of
+the text (ARCHITECTURE invariant 1). An assistant message without a record is context only.
+
+Both models have a stable JSON form; groups round-trip through JSONL files exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback as tb
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+Scalar = str | int | float | bool | None
+
+
+class SampledTurn(BaseModel):
+    """The exact tokens behind one sampled assistant message.
+
+    `prompt_token_ids` is the whole prompt as the engine saw it (chat template applied), so a
+    multi-turn trajectory can be checked for prefix extension and trained without re-tokenizing.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    message_index: int = Field(description="Index in `messages` of the assistant message sampled.")
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float] = Field(description="Sampling logprob of each completion token.")
+    step: int | None = Field(default=None, description="Checkpoint step that sampled this turn.")
+    response_id: str | None = None
+    finish_reason: str | None = None
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> SampledTurn:
+        if len(self.logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries but completion_token_ids has "
+                f"{len(self.completion_token_ids)}: they must be the same length"
+            )
+        if not self.completion_token_ids:
+            raise ValueError("completion_token_ids is empty: a sampled turn has at least one token")
+        if not all(math.isfinite(x) for x in self.logprobs):
+            raise ValueError("logprobs contains NaN or an infinite value")
+        return self
+
+
+class History(BaseModel):
+    """One conversation: messages (OpenAI chat format), tools offered and sampled-turn records."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="Tool schemas offered, in OpenAI function format."
+    )
+    turns: list[SampledTurn] = Field(
+        default_factory=list, description="Sampled-token records, one per trainable assistant turn."
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        open_calls: set[str] = set()
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role not in ROLES:
+                raise ValueError(f"messages[{i}].role is {role!r}; expected one of {ROLES}")
+            if role == "assistant":
+                for call in m.get("tool_calls") or []:
+                    if "id" not in call:
+                        raise ValueError(f"messages[{i}].tool_calls has a call without an id")
+                    open_calls.add(call["id"])
+            elif role == "tool":
+                call_id = m.get("tool_call_id")
+                if call_id not in open_calls:
+                    raise ValueError(
+                        f"messages[{i}] is a tool message with tool_call_id={call_id!r}, "
+                        "which matches no tool call of an earlier assistant message"
+                    )
+        return messages
+
+    @model_validator(mode="after")
+    def _turns_point_at_assistant_messages(self) -> History:
+        seen: set[int] = set()
+        for turn in self.turns:
+            i = turn.message_index
+            if not 0 <= i < len(self.messages) or self.messages[i].get("role") != "assistant":
+                raise ValueError(
+                    f"turns[].message_index={i} does not point at an assistant message"
+                )
+            if i in seen:
+                raise ValueError(f"turns has two records for message_index={i}")
+            seen.add(i)
+        return self
+
+    @property
+    def trainable(self) -> bool:
+        """True when at least one assistant turn carries its sampled tokens."""
+        return bool(self.turns)
+
+
+class Trajectory(History):
+    """One rollout: its main conversation, a reward, and what the user wants to keep about it."""
+
+    reward: float = 0.0
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    metadata: dict[str, Scalar] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    additional_histories: list[History] = Field(
+        default_factory=list,
+        description="Separate conversations of the same rollout (sub-agents), trained alike.",
+    )
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"reward must be a finite number, got {v}")
+        return v
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite_metrics(cls, v: dict[str, float | int | bool]) -> dict[str, float | int | bool]:
+        for k, x in v.items():
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"metrics[{k!r}] must be finite, got {x}")
+        return v
+
+    def histories(self) -> Iterator[History]:
+        """The main conversation, then any additional ones."""
+        yield self
+        yield from self.additional_histories
+
+    @property
+    def trainable(self) -> bool:
+        return any(h.turns for h in self.histories())
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+
+class RolloutError(BaseModel):
+    """An exception raised by a rollout, kept with its group so failures are visible."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RolloutError:
+        return cls(
+            type=type(exc).__qualname__,
+            message=str(exc),
+            traceback="".join(tb.format_exception(exc)),
+        )
+
+
+class TrajectoryGroup(BaseModel):
+    """Trajectories of one scenario, compared against each other by GRPO (and RULER)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    exceptions: list[RolloutError] = Field(default_factory=list)
+    metadata: dict[str, Scalar] = Field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]
+        return iter(self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+def write_groups_jsonl(groups: Iterable[TrajectoryGroup], path: str | Path) -> Path:
+    """Write groups, one JSON object per line. The file is replaced atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for g in groups:
+            f.write(g.model_dump_json())
+            f.write("\n")
+        f.flush()
+    tmp.replace(path)
+    return path
+
+
+def read_groups_jsonl(path: str | Path) -> list[TrajectoryGroup]:
+    """Read groups written by `write_groups_jsonl`; a bad line names its line number."""
+    groups = []
+    with Path(path).open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                groups.append(TrajectoryGroup.model_validate_json(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: invalid trajectory group: {e}") from e
+    return groups

