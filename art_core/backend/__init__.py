@@ -1,0 +1,1 @@
+"""Backends: `LocalBackend` (engine + trainer in this process) and `RemoteBackend` (HTTP client)."""
