@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from art_core.config import TrainConfig
     from art_core.trajectory import TrajectoryGroup
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def validate_name(value: str, what: str = "name") -> str:
     """Check a name that becomes a path component: letters, digits, '-', '_', '.'; not '..'."""
-    if not isinstance(value, str) or not _NAME.match(value) or set(value) == {"."}:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or set(value) == {"."}:
         raise ValueError(
             f"invalid {what} {value!r}: use 1-128 letters, digits, '-', '_' or '.', "
             "with no path separators and not only dots"
@@ -58,6 +58,9 @@ class Model(BaseModel):
 
 class TrainableModel(Model):
     """A LoRA adapter trained with GRPO on `base_model`; stored under `<path>/<project>/models/<name>/`."""
+
+    # name and project become path components: validate them on assignment too, not only at init
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     project: str = "default"
     base_model: str = Field(

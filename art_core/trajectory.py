@@ -11,6 +11,7 @@ Both models have a stable JSON form; groups round-trip through JSONL files exact
 from __future__ import annotations
 
 import math
+import os
 import traceback as tb
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,6 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Scalar = str | int | float | bool | None
+
+
+def _check_finite_metadata(v: dict[str, Scalar]) -> dict[str, Scalar]:
+    # JSON has no NaN/inf: pydantic would write them as null, so the round trip would lose them
+    for k, x in v.items():
+        if isinstance(x, float) and not math.isfinite(x):
+            raise ValueError(f"metadata[{k!r}] must be finite, got {x}")
+    return v
 
 
 class SampledTurn(BaseModel):
@@ -135,6 +144,11 @@ class Trajectory(History):
                 raise ValueError(f"metrics[{k!r}] must be finite, got {x}")
         return v
 
+    @field_validator("metadata")
+    @classmethod
+    def _finite_metadata(cls, v: dict[str, Scalar]) -> dict[str, Scalar]:
+        return _check_finite_metadata(v)
+
     def histories(self) -> Iterator[History]:
         """The main conversation, then any additional ones."""
         yield self
@@ -175,6 +189,11 @@ class TrajectoryGroup(BaseModel):
     exceptions: list[RolloutError] = Field(default_factory=list)
     metadata: dict[str, Scalar] = Field(default_factory=dict)
 
+    @field_validator("metadata")
+    @classmethod
+    def _finite_metadata(cls, v: dict[str, Scalar]) -> dict[str, Scalar]:
+        return _check_finite_metadata(v)
+
     def __len__(self) -> int:
         return len(self.trajectories)
 
@@ -196,6 +215,8 @@ def write_groups_jsonl(groups: Iterable[TrajectoryGroup], path: str | Path) -> P
             f.write(g.model_dump_json())
             f.write("\n")
         f.flush()
+        # on disk before the rename, so a crash cannot leave an empty journal (invariant 3)
+        os.fsync(f.fileno())
     tmp.replace(path)
     return path
 

@@ -1,0 +1,162 @@
+"""`import art_core` stays light and fast; the `art` command line works."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import art_core
+from art_core.cli import app
+
+HEAVY = [
+    "torch",
+    "vllm",
+    "transformers",
+    "litellm",
+    "peft",
+    "langgraph",
+    "langchain_core",
+    "fastapi",
+]
+
+PROBE = f"""
+import json, sys, time
+t = time.perf_counter()
+import art_core, art_core.cli
+elapsed = time.perf_counter() - t
+heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}))
+print(json.dumps({{"elapsed": elapsed, "heavy": heavy}}))
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"}
+    )
+
+
+def test_import_is_light_and_fast():
+    proc = _run(sys.executable, "-c", PROBE)
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["heavy"] == [], f"import art_core pulled in {probe['heavy']}"
+    # typically ~0.2 s; the bound is loose for slow CI disks
+    assert probe["elapsed"] < 1.5, f"import art_core, art_core.cli took {probe['elapsed']:.2f} s"
+
+
+def test_public_api_resolves():
+    eager = [n for n in art_core.__all__ if n not in art_core._LAZY]
+    for name in eager:
+        assert getattr(art_core, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        art_core.nope  # noqa: B018
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "expected"),
+    [
+        (["--help"], 0, ["version", "demo", "reinforcement learning"]),
+        (["version"], 0, [art_core.__version__]),
+        (["--version"], 0, [art_core.__version__]),
+        (["version", "--help"], 0, ["Print the installed art-agents version"]),
+        (["no-such-command"], 2, ["No such command"]),
+    ],
+)
+def test_cli_in_process(args, code, expected):
+    result = runner.invoke(app, args)
+    assert result.exit_code == code, result.output
+    for text in expected:
+        assert text in result.output
+
+
+def test_version_prints_only_the_version():
+    result = runner.invoke(app, ["version"])
+    assert result.output == f"{art_core.__version__}\n"
+
+
+def test_demo_without_module_fails_clearly(monkeypatch):
+    if (Path(art_core.__file__).parent / "demo.py").exists():
+        pytest.skip("art_core.demo exists: nothing missing to report")
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 1
+    assert "art_core.demo is not part of this install" in result.output
+
+
+@pytest.mark.parametrize(
+    ("returned", "code"), [(None, 0), (0, 0), (3, 3)], ids=["none", "zero", "three"]
+)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_demo_calls_main(monkeypatch, returned, code, is_async):
+    import types
+
+    calls = []
+    fake = types.ModuleType("art_core.demo")
+
+    if is_async:
+
+        async def main():
+            calls.append("async")
+            return returned
+    else:
+
+        def main():
+            calls.append("sync")
+            return returned
+
+    fake.main = main
+    monkeypatch.setitem(sys.modules, "art_core.demo", fake)
+    result = runner.invoke(app, ["demo"])
+    assert calls == ["async" if is_async else "sync"]
+    assert result.exit_code == code
+
+
+def test_demo_names_a_missing_dependency(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def fake_import(name, *a, **k):
+        if name == "art_core.demo":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 1
+    assert "needs the package 'torch'" in result.output
+    assert "pip install 'art-agents[backend]'" in result.output
+
+
+def _art_command() -> list[str]:
+    script = Path(sys.executable).parent / "art"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("art")
+    if found:
+        return [found]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from art_core.cli import app; sys.argv[0] = 'art'; app()",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [(["--help"], "Usage: art"), (["version"], art_core.__version__)],
+)
+def test_console_script(args, expected):
+    proc = _run(*_art_command(), *args)
+    assert proc.returncode == 0, proc.stderr
+    assert expected in proc.stdout
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,69 @@
+"""Model and project names become path components: only safe ones are accepted."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from art_core.model import Model, TrainableModel, validate_name
+
+ACCEPTED = ["my-model", "a.b_c-1", "x", "X" * 128, "v1.0", "...a", "Qwen3_4B"]
+REJECTED = [
+    "../x",
+    "",
+    "a/b",
+    "/abs",
+    "..",
+    ".",
+    "...",
+    "x" * 129,
+    "a b",
+    "a\\b",
+    "a\nb",
+    "abc\n",  # a trailing newline once slipped past the '$' anchor
+    "a:b",
+    "é",
+    "a\x00b",
+]
+FIELDS = [("name", "model name"), ("project", "project name")]
+
+
+@pytest.mark.parametrize("value", ACCEPTED)
+@pytest.mark.parametrize(("field", "what"), FIELDS)
+def test_accepted(field, what, value):
+    assert validate_name(value, what) == value
+    model = TrainableModel(**{"name": "m", field: value})
+    assert getattr(model, field) == value
+
+
+@pytest.mark.parametrize("value", REJECTED)
+@pytest.mark.parametrize(("field", "what"), FIELDS)
+def test_rejected_with_the_bad_value_named(field, what, value):
+    with pytest.raises(ValueError) as direct:
+        validate_name(value, what)
+    assert f"invalid {what} {value!r}" in str(direct.value)
+
+    with pytest.raises(ValidationError) as info:
+        TrainableModel(**{"name": "m", field: value})
+    assert f"invalid {what} {value!r}" in str(info.value)
+    assert [e["loc"] for e in info.value.errors()] == [(field,)]
+
+
+@pytest.mark.parametrize("value", REJECTED)
+@pytest.mark.parametrize(("field", "what"), FIELDS)
+def test_rejected_on_assignment(field, what, value):
+    model = TrainableModel(name="m", project="p")
+    with pytest.raises(ValidationError, match="invalid " + what):
+        setattr(model, field, value)
+    assert (model.name, model.project) == ("m", "p")
+
+
+@pytest.mark.parametrize("value", [None, 3, b"abc"])
+def test_non_string_rejected(value):
+    with pytest.raises(ValueError, match="invalid name"):
+        validate_name(value)  # type: ignore[arg-type]
+
+
+def test_inference_model_name_is_free_form():
+    # a plain Model names a served model (e.g. "org/model"); it never becomes a path
+    assert Model(name="Qwen/Qwen3-4B").name == "Qwen/Qwen3-4B"
