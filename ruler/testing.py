@@ -1,0 +1,144 @@
+"""A scripted OpenAI-compatible judge server, for tests and dry runs of RULER.
+
+`ScriptedJudge` serves `POST /v1/chat/completions` on 127.0.0.1 (a free port) from a thread and
+answers each request with the next scripted `Reply`, or with whatever a callable returns for the
+request body. It records every request body it gets, so a test can check what RULER sent. It uses
+only the standard library, so it runs anywhere the package does.
+
+    with ScriptedJudge(['{"scores": [...]}']) as server:
+        await ruler.score(lists, judge="openai/judge", api_base=server.api_base, api_key="x")
+        assert len(server.requests) == 1
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Reply:
+    """One scripted answer: chat `content` with HTTP 200, or an error `status` with a message.
+
+    `delay` seconds are slept before answering, to provoke client timeouts.
+    """
+
+    content: str | None = None
+    status: int = 200
+    error: str = "scripted error"
+    delay: float = 0.0
+    usage: dict[str, int] = field(
+        default_factory=lambda: {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
+    )
+
+
+Script = Iterable[Reply | str] | Callable[[dict[str, Any]], Reply | str]
+
+
+class ScriptedJudge:
+    """An OpenAI-compatible chat server that answers from a script and records requests."""
+
+    def __init__(self, script: Script = ()) -> None:
+        self._responder = script if callable(script) else None
+        self._queue: deque[Reply | str] = deque() if callable(script) else deque(script)
+        self._lock = threading.Lock()
+        self.requests: list[dict[str, Any]] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True  # a handler still sleeping must not block shutdown
+        # a short poll interval makes stop() quick (the default waits up to 0.5 s)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    @property
+    def api_base(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def push(self, *replies: Reply | str) -> None:
+        """Append replies to the script."""
+        with self._lock:
+            self._queue.extend(replies)
+
+    def start(self) -> ScriptedJudge:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> ScriptedJudge:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _next_reply(self, body: dict[str, Any]) -> Reply:
+        with self._lock:
+            self.requests.append(body)
+            if self._responder is not None:
+                reply = self._responder(body)
+            elif self._queue:
+                reply = self._queue.popleft()
+            else:
+                reply = Reply(status=500, error="ScriptedJudge: the script has no reply left")
+        return Reply(content=reply) if isinstance(reply, str) else reply
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # keep test output quiet
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not self.path.rstrip("/").endswith("/chat/completions"):
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                reply = judge._next_reply(body)
+                time.sleep(reply.delay)
+                if reply.status != 200:
+                    error = {"message": reply.error, "type": "invalid_request_error", "code": None}
+                    self._send(reply.status, {"error": error})
+                    return
+                self._send(200, _completion(body.get("model", "judge"), reply))
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout): nothing to answer
+
+        return Handler
+
+
+def _completion(model: str, reply: Reply) -> dict[str, Any]:
+    """A minimal `chat.completion` object, as OpenAI and vLLM return it."""
+    return {
+        "id": f"chatcmpl-scripted-{time.monotonic_ns()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": reply.content},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": reply.usage,
+    }
