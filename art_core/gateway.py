@@ -117,7 +117,7 @@ class Gateway:
         served = self.models.setdefault(name, ServedModel(name, engine))
         served.checkpoints[step] = Path(path)
         await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path)
-        served.latest = max(served.latest, step) if len(served.checkpoints) > 1 else step
+        served.latest = max(served.checkpoints)
         self._unload_old(served)
 
     def forget_checkpoints(self, name: str, steps: list[int]) -> None:

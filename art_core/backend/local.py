@@ -1,0 +1,252 @@
+"""`LocalBackend`: engine, gateway and trainer in this process. The whole RL loop:
+
+    rollouts (through the gateway) -> backend.train(model, groups):
+      1. journal the groups to <model>/journal/<step>.jsonl   (a crash loses no rollout)
+      2. close the gateway's gate; wait for running requests     (inference waits)
+      3. vLLM sleeps (CUDA only: the trainer gets the memory)
+      4. Trainer.step: one GRPO step from the latest checkpoint
+      5. save the adapter to checkpoints/.tmp-<step>, rename to checkpoints/<step>  (atomic)
+      6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
+      7. append metrics to history.jsonl; open the gate              (inference resumes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from art_core.backend.base import Endpoint, TrainResult
+from art_core.base_models import resolve_base_model
+from art_core.config import TrainConfig
+from art_core.engine import VLLMEngine
+from art_core.gateway import Gateway, GatewayServer
+from art_core.model import TrainableModel
+from art_core.storage import ModelDir
+from art_core.trajectory import TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+
+class LocalBackend:
+    """Runs inference (vLLM behind our gateway) and training (peft) on this machine."""
+
+    def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
+                 gateway: Gateway | None = None) -> None:
+        self.root = Path(path).resolve()
+        self.gateway = gateway or Gateway()
+        self._server: GatewayServer | None = None
+        self._external_loop = gateway is not None  # `art serve` runs the gateway itself
+        self._host, self._port = host, port
+        self._engines: dict[str, VLLMEngine] = {}
+        self._trainers: dict[tuple[str, str], Any] = {}  # (project, name) -> Trainer
+        self._model_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the backend has no gateway running yet: register a model first")
+        return self._server.base_url
+
+    def _ensure_gateway(self) -> None:
+        if self._server is None and not self._external_loop:
+            self._server = GatewayServer(self.gateway, self._host, self._port)
+            self._server.start()
+
+    async def _on_gateway(self, fn: Any) -> Any:
+        """Run an async gateway operation in the gateway's own loop."""
+        if self._server is None:  # `art serve`: the gateway shares the caller's loop
+            return await fn()
+        return await self._server.call(fn)
+
+    async def close(self) -> None:
+        """Stop vLLM and the gateway. Checkpoints and history stay on disk."""
+        for engine in self._engines.values():
+            await asyncio.to_thread(engine.stop)
+        self._engines.clear()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- models ----------------------------------------------------------------------------
+
+    def _dir(self, model: TrainableModel) -> ModelDir:
+        return ModelDir(self.root, model.project, model.name)
+
+    def _model_lock(self, model: TrainableModel) -> threading.Lock:
+        with self._lock:
+            return self._model_locks.setdefault((model.project, model.name), threading.Lock())
+
+    async def register(self, model: TrainableModel) -> Endpoint:
+        """Start (or reuse) the engine for the model's base; create step 0 if the model is new;
+        serve the latest complete step."""
+        await asyncio.to_thread(self._register_sync, model)
+        md = self._dir(model)
+        step = md.latest_step()
+        assert step is not None
+        engine = self._engines[model.base_model]
+        await self._on_gateway(
+            lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+        for s in md.steps()[:-1]:  # older steps stay reachable as name@step (loaded on demand)
+            self.gateway.models[model.name].checkpoints[s] = md.checkpoint(s)
+        return Endpoint(base_url=self.base_url if self._server else "", api_key=None)
+
+    def _register_sync(self, model: TrainableModel) -> None:
+        md = self._dir(model)
+        with self._model_lock(model):
+            known = md.read_model_json()
+            if known is not None and known.get("base_model") != model.base_model:
+                raise ValueError(
+                    f"model {model.project}/{model.name} already exists in {md.path} with base "
+                    f"{known.get('base_model')!r}, not {model.base_model!r}: use another name"
+                )
+            if known is not None and known.get("lora") != model.config.lora.model_dump():
+                raise ValueError(
+                    f"model {model.project}/{model.name} was created with LoRA settings "
+                    f"{known.get('lora')}; they cannot change to {model.config.lora.model_dump()}"
+                )
+            base_path = resolve_base_model(model.base_model)
+            self._ensure_gateway()
+            self._ensure_engine(model, base_path)
+            md.write_model_json({"name": model.name, "project": model.project,
+                                 "base_model": model.base_model,
+                                 "lora": model.config.lora.model_dump()})
+            if md.latest_step() is None:
+                trainer = self._trainer(model)
+                tmp = md.temp_checkpoint(0)
+                trainer.save_adapter(tmp)  # a fresh LoRA: B = 0, so step 0 equals the base
+                md.commit_checkpoint(tmp, 0)
+                md.append_history({"step": 0})
+
+    def _ensure_engine(self, model: TrainableModel, base_path: str) -> VLLMEngine:
+        with self._lock:
+            engine = self._engines.get(model.base_model)
+            if engine is None:
+                log_dir = self.root / "logs"
+                engine = VLLMEngine(
+                    base_path, served_name=model.base_model, config=model.config.engine,
+                    max_lora_rank=model.config.lora.rank,
+                    log_path=log_dir / f"vllm-{Path(base_path).name}.log",
+                )
+                self._engines[model.base_model] = engine
+                self.gateway.add_engine(engine)
+        engine.start()
+        return engine
+
+    def _trainer(self, model: TrainableModel) -> Any:
+        key = (model.project, model.name)
+        trainer = self._trainers.get(key)
+        if trainer is None:
+            from art_core.train.trainer import Trainer
+
+            trainer = Trainer(resolve_base_model(model.base_model), model.config.lora)
+            md = self._dir(model)
+            step = md.latest_step()
+            if step is not None:
+                trainer.load_adapter(md.checkpoint(step))
+                opt = md.path / "optimizer.safetensors"
+                if opt.exists() and (md.path / "optimizer.step").read_text().strip() == str(step):
+                    trainer.load_optimizer(opt, TrainConfig())
+            self._trainers[key] = trainer
+        return trainer
+
+    async def get_step(self, model: TrainableModel) -> int:
+        step = self._dir(model).latest_step()
+        if step is None:
+            raise RuntimeError(f"model {model.project}/{model.name} has no checkpoint: register it")
+        return step
+
+    # ---- training --------------------------------------------------------------------------
+
+    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                    config: TrainConfig | None = None) -> TrainResult:
+        """One GRPO step on `groups`; returns the new step and its metrics."""
+        config = config or TrainConfig()
+        groups = _check_groups(groups)
+        md = self._dir(model)
+        if model.base_model not in self._engines:
+            raise RuntimeError(f"model {model.name!r} is not registered with this backend")
+        lock = self._model_lock(model)
+        await asyncio.to_thread(lock.acquire)  # two trainers of one model: one after the other
+        try:
+            step = (md.latest_step() or 0) + 1
+            md.journal_groups(step, groups)  # before anything else: a crash loses no rollout
+            engine = self._engines[model.base_model]
+            await self._on_gateway(self.gateway.pause)
+            try:
+                await asyncio.to_thread(engine.sleep)
+                metrics = await asyncio.to_thread(self._train_and_save, model, groups, config, step)
+                await asyncio.to_thread(engine.wake_up)
+                await self._on_gateway(
+                    lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+            finally:
+                await asyncio.to_thread(engine.wake_up)
+                await self._on_gateway(self._resume)
+            md.append_history({"step": step, **metrics})
+            return TrainResult(step=step, metrics=metrics)
+        finally:
+            lock.release()
+
+    async def _resume(self) -> None:
+        self.gateway.resume()
+
+    def _train_and_save(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                        config: TrainConfig, step: int) -> dict[str, float]:
+        md = self._dir(model)
+        trainer = self._trainer(model)
+        metrics = trainer.step(groups, config)
+        tmp = md.temp_checkpoint(step)
+        trainer.save_adapter(tmp)
+        md.commit_checkpoint(tmp, step)
+        trainer.save_optimizer(md.path / "optimizer.safetensors")
+        (md.path / "optimizer.step").write_text(str(step))
+        return {k: float(v) for k, v in metrics.items()}
+
+    async def replay_interrupted(self, model: TrainableModel,
+                                 config: TrainConfig | None = None) -> list[TrainResult]:
+        """Train again the journaled groups of steps that were interrupted (e.g. killed)."""
+        results = []
+        for step in self._dir(model).interrupted_steps():
+            groups = self._dir(model).journaled(step)
+            if groups:
+                results.append(await self.train(model, groups, config))
+        return results
+
+    async def delete_checkpoints(self, model: TrainableModel,
+                                 best_checkpoint_metric: str = "reward_mean") -> list[int]:
+        """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""
+        md = self._dir(model)
+        with self._model_lock(model):
+            deleted = md.delete_checkpoints(best_checkpoint_metric)
+        self.gateway.forget_checkpoints(model.name, deleted)
+        return deleted
+
+    def checkpoint_dir(self, model: TrainableModel, step: int) -> Path:
+        return self._dir(model).checkpoint(step)
+
+    def remove_model(self, model: TrainableModel) -> None:
+        shutil.rmtree(self._dir(model).path, ignore_errors=True)
+
+
+def _check_groups(groups: Any) -> list[TrajectoryGroup]:
+    if isinstance(groups, TrajectoryGroup):
+        groups = [groups]
+    groups = list(groups)
+    if not groups:
+        raise ValueError("train() needs at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
+    return groups

@@ -1,0 +1,136 @@
+"""The run directory: where a model's checkpoints, journal and history live.
+
+    <path>/<project>/models/<name>/
+        model.json                  base model and config, written at registration
+        checkpoints/0000/ ...       one peft adapter directory per complete step
+        journal/0001.jsonl          the groups of step 1, written before that step trains
+        history.jsonl               one row of metrics per step
+        optimizer/                  the optimizer state of the latest step (for resume)
+
+Invariant 3 (no lost work): groups are journaled before a step starts; checkpoints are written
+to a temp directory and renamed into place, so a directory named like a step is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from art_core.model import validate_name
+from art_core.trajectory import TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+
+
+class ModelDir:
+    """Paths and small operations on one model's run directory."""
+
+    def __init__(self, root: str | Path, project: str, name: str) -> None:
+        self.root = Path(root)
+        self.path = self.root / validate_name(project, "project name") / "models" / \
+            validate_name(name, "model name")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def journal(self) -> Path:
+        return self.path / "journal"
+
+    @property
+    def history(self) -> Path:
+        return self.path / "history.jsonl"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"{step:04d}"
+
+    def steps(self) -> list[int]:
+        """Complete checkpoint steps, ascending. Half-written (temp) directories are removed."""
+        if not self.checkpoints.exists():
+            return []
+        steps = []
+        for d in self.checkpoints.iterdir():
+            if d.name.startswith(".tmp"):
+                shutil.rmtree(d, ignore_errors=True)  # a step killed mid-save
+            elif d.name.isdigit() and (d / "adapter_config.json").exists():
+                steps.append(int(d.name))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def temp_checkpoint(self, step: int) -> Path:
+        tmp = self.checkpoints / f".tmp-{step:04d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, tmp: Path, step: int) -> Path:
+        """Atomically move a fully written temp directory into place as `step`."""
+        final = self.checkpoint(step)
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists")
+        tmp.rename(final)
+        return final
+
+    def write_model_json(self, data: dict[str, Any]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / "model.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.path / "model.json")
+
+    def read_model_json(self) -> dict[str, Any] | None:
+        p = self.path / "model.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def journal_groups(self, step: int, groups: list[TrajectoryGroup]) -> Path:
+        """Write the groups of `step` before it trains (replacing an earlier attempt's)."""
+        return write_groups_jsonl(groups, self.journal / f"{step:04d}.jsonl")
+
+    def journaled(self, step: int) -> list[TrajectoryGroup] | None:
+        p = self.journal / f"{step:04d}.jsonl"
+        return read_groups_jsonl(p) if p.exists() else None
+
+    def interrupted_steps(self) -> list[int]:
+        """Steps whose groups were journaled but whose checkpoint never completed."""
+        latest = self.latest_step()
+        if not self.journal.exists():
+            return []
+        return sorted(
+            int(p.stem) for p in self.journal.glob("*.jsonl")
+            if p.stem.isdigit() and (latest is None or int(p.stem) > latest)
+        )
+
+    def append_history(self, row: dict[str, Any]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with self.history.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    def read_history(self) -> list[dict[str, Any]]:
+        if not self.history.exists():
+            return []
+        rows = []
+        for line in self.history.read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+        return rows
+
+    def delete_checkpoints(self, best_metric: str = "reward_mean") -> list[int]:
+        """Delete all checkpoints except the latest and the best by `best_metric` (higher is
+        better; the metric of step k is the one measured on the rollouts trained at step k,
+        i.e. produced by checkpoint k-1)."""
+        steps = self.steps()
+        if len(steps) <= 1:
+            return []
+        keep = {steps[-1]}
+        scored = [(r[best_metric], r["step"] - 1) for r in self.read_history()
+                  if isinstance(r.get(best_metric), int | float) and r.get("step", 0) - 1 in steps]
+        if scored:
+            keep.add(max(scored)[1])
+        deleted = [s for s in steps if s not in keep]
+        for s in deleted:
+            shutil.rmtree(self.checkpoint(s), ignore_errors=True)
+        return deleted

@@ -1,0 +1,1 @@
+"""art_langgraph: not yet implemented (see the open issues)."""

@@ -1,0 +1,1 @@
+"""art_mcp: not yet implemented (see the open issues)."""
