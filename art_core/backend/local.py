@@ -16,6 +16,7 @@ import asyncio
 import logging
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +172,14 @@ class LocalBackend:
     # ---- training --------------------------------------------------------------------------
 
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                    config: TrainConfig | None = None) -> TrainResult:
-        """One GRPO step on `groups`; returns the new step and its metrics."""
+                    config: TrainConfig | None = None, *,
+                    progress: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+        """One GRPO step on `groups`; returns the new step and its metrics.
+
+        `progress`, if given, is called with one event per phase: {"phase": "journaled" |
+        "paused" | "trained" | "published" | "done", "step": N, ...} (the server streams them)."""
         config = config or TrainConfig()
+        emit = progress or (lambda event: None)
         groups = _check_groups(groups)
         md = self._dir(model)
         if model.base_model not in self._engines:
@@ -183,18 +189,23 @@ class LocalBackend:
         try:
             step = (md.latest_step() or 0) + 1
             md.journal_groups(step, groups)  # before anything else: a crash loses no rollout
+            emit({"phase": "journaled", "step": step, "groups": len(groups)})
             engine = self._engines[model.base_model]
             await self._on_gateway(self.gateway.pause)
+            emit({"phase": "paused", "step": step})
             try:
                 await asyncio.to_thread(engine.sleep)
                 metrics = await asyncio.to_thread(self._train_and_save, model, groups, config, step)
+                emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
                 await asyncio.to_thread(engine.wake_up)
                 await self._on_gateway(
                     lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+                emit({"phase": "published", "step": step})
             finally:
                 await asyncio.to_thread(engine.wake_up)
                 await self._on_gateway(self._resume)
             md.append_history({"step": step, **metrics})
+            emit({"phase": "done", "step": step, "metrics": metrics})
             return TrainResult(step=step, metrics=metrics)
         finally:
             lock.release()
