@@ -116,6 +116,41 @@ class History(BaseModel):
         """True when at least one assistant turn carries its sampled tokens."""
         return bool(self.turns)
 
+    def add_completion(self, response: Any, choice: int = 0) -> dict[str, Any]:
+        """Append the assistant message of a chat completion served by the art gateway, with
+        the exact tokens it sampled (a trainable turn). Returns the message appended.
+
+        `response` is the `openai` client's ChatCompletion (or its dict). The gateway returns
+        `prompt_token_ids`, `choices[i].token_ids` and logprobs on every response.
+        """
+        data = response if isinstance(response, dict) else response.model_dump()
+        ch = data["choices"][choice]
+        msg = ch.get("message") or {}
+        message: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        if msg.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["function"]["name"],
+                              "arguments": c["function"]["arguments"]}}
+                for c in msg["tool_calls"]
+            ]
+        prompt_ids, token_ids = data.get("prompt_token_ids"), ch.get("token_ids")
+        content_lp = (ch.get("logprobs") or {}).get("content")
+        if not prompt_ids or not token_ids or content_lp is None:
+            raise ValueError(
+                "the response carries no sampled token ids/logprobs: was it served by the art "
+                "gateway (model.openai_client())? Append the message as context instead."
+            )
+        turn = SampledTurn(
+            message_index=len(self.messages), prompt_token_ids=prompt_ids,
+            completion_token_ids=token_ids, logprobs=[t["logprob"] for t in content_lp],
+            step=data.get("art_step"), response_id=data.get("id"),
+            finish_reason=ch.get("finish_reason"),
+        )
+        self.messages.append(message)
+        self.turns.append(turn)
+        return message
+
 
 class Trajectory(History):
     """One rollout: its main conversation, a reward, and what the user wants to keep about it."""

@@ -129,7 +129,6 @@ class LocalBackend:
                 tmp = md.temp_checkpoint(0)
                 trainer.save_adapter(tmp)  # a fresh LoRA: B = 0, so step 0 equals the base
                 md.commit_checkpoint(tmp, 0)
-                md.append_history({"step": 0})
 
     def _ensure_engine(self, model: TrainableModel, base_path: str) -> VLLMEngine:
         with self._lock:
