@@ -78,11 +78,46 @@ def _run(result: object) -> None:
         raise typer.Exit(code=result)
 
 
-@app.command()
-def demo() -> None:
-    """Train the embedded small model on a toy task, end to end, on this machine."""
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """Train the embedded small model on a toy task, end to end (options: art demo --help)."""
     module = _import_or_exit("art_core.demo", extra="backend")
-    _run(module.main())  # type: ignore[attr-defined]
+    _run(module.main(list(ctx.args)))  # type: ignore[attr-defined]
+
+
+@app.command()
+def serve(
+    host: str = typer.Option(
+        "127.0.0.1", help="Address to listen on. A non-loopback address needs an API key."),
+    port: int = typer.Option(7999, min=1, max=65535, help="Port to listen on."),
+    path: str = typer.Option(".art", "--path", help="Run directory: models, checkpoints, logs."),
+    api_key: str = typer.Option(
+        "", "--api-key", envvar="ART_API_KEY", show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    max_body_mb: float = typer.Option(
+        64.0, min=0.001, help="Largest request body accepted (MiB); larger gets a 413."),
+    shutdown_grace: float = typer.Option(
+        60.0, min=0.0, help="Seconds a running training step gets to finish on SIGTERM."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Run the backend (vLLM, gateway, trainer) as a server for RemoteBackend clients.
+
+    It serves the OpenAI API for rollouts under /v1 and the training API under /art/v1.
+    """
+    from art_core.backend.remote import bind_refusal  # light: checked before anything heavy
+
+    key = api_key.strip() or None
+    refusal = bind_refusal(host, key)
+    if refusal:
+        typer.echo(f"error: {refusal}", err=True)
+        raise typer.Exit(code=2)
+    module = _import_or_exit("art_core.server", extra="backend")
+    try:
+        _run(module.serve(path, host=host, port=port, api_key=key,  # type: ignore[attr-defined]
+                          max_body_bytes=int(max_body_mb * 2**20),
+                          shutdown_grace_s=shutdown_grace, log_level=log_level))
+    except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down already; no traceback
+        raise typer.Exit(code=130) from None
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 - start: `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port with runtime
   LoRA loading enabled; wait for /health, or fail with the tail of vLLM's log.
-- never orphaned: the child is in its own process group, gets SIGKILL if this process dies
-  (PR_SET_PDEATHSIG) and is stopped at interpreter exit.
+- never orphaned: vLLM runs under a small watchdog (art_core/_watchdog.py) that leads a process
+  group of its own and takes vLLM and all its children down when this process dies, even by
+  SIGKILL; `stop()` (also run at interpreter exit) signals the whole group.
 - restart: a watcher thread restarts a dead engine and reloads the adapters it had.
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
   never reloaded in place (vLLM's prefix cache would go stale).
@@ -53,9 +54,9 @@ def cuda_available() -> bool:
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
+    os.setsid()  # a process group of its own: stop() signals the whole group
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class VLLMEngine:
@@ -175,8 +176,11 @@ class VLLMEngine:
         logf.flush()
         log.info("starting vLLM for %s on port %d (log: %s)", self.served_name, self.port,
                  self.log_path)
+        # The watchdog leads a new process group holding vLLM and all its children, and takes
+        # the group down if this process dies (see art_core/_watchdog.py).
         self._proc = subprocess.Popen(
-            self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "art_core._watchdog", *self.command()],
+            env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )
         logf.close()
@@ -238,16 +242,18 @@ class VLLMEngine:
         raise EngineError(f"vLLM is not running.\n{self.log_tail()}")
 
     def _kill(self) -> None:
+        """Stop the watchdog's process group (vLLM and its children): SIGTERM, then SIGKILL."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=25)  # the watchdog gives vLLM 15 s to shut down
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # sweep anything left in the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
 
     def stop(self) -> None:

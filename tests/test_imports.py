@@ -104,19 +104,19 @@ def test_demo_calls_main(monkeypatch, returned, code, is_async):
 
     if is_async:
 
-        async def main():
-            calls.append("async")
+        async def main(argv):
+            calls.append(("async", argv))
             return returned
     else:
 
-        def main():
-            calls.append("sync")
+        def main(argv):
+            calls.append(("sync", argv))
             return returned
 
     fake.main = main
     monkeypatch.setitem(sys.modules, "art_core.demo", fake)
-    result = runner.invoke(app, ["demo"])
-    assert calls == ["async" if is_async else "sync"]
+    result = runner.invoke(app, ["demo", "--steps", "2"])
+    assert calls == [("async" if is_async else "sync", ["--steps", "2"])]
     assert result.exit_code == code
 
 

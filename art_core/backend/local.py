@@ -16,6 +16,7 @@ import asyncio
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,9 +197,13 @@ class LocalBackend:
                 await asyncio.to_thread(engine.sleep)
                 metrics = await asyncio.to_thread(self._train_and_save, model, groups, config, step)
                 emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
+                t_publish = time.perf_counter()
                 await asyncio.to_thread(engine.wake_up)
                 await self._on_gateway(
                     lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+                # from the end of the optimizer step until the new adapter serves requests
+                metrics["publish_seconds"] = time.perf_counter() - t_publish
+                metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
                 emit({"phase": "published", "step": step})
             finally:
                 await asyncio.to_thread(engine.wake_up)
@@ -217,9 +222,11 @@ class LocalBackend:
         md = self._dir(model)
         trainer = self._trainer(model)
         metrics = trainer.step(groups, config)
+        t0 = time.perf_counter()
         tmp = md.temp_checkpoint(step)
         trainer.save_adapter(tmp)
         md.commit_checkpoint(tmp, step)
+        metrics["save_seconds"] = time.perf_counter() - t0
         trainer.save_optimizer(md.path / "optimizer.safetensors")
         (md.path / "optimizer.step").write_text(str(step))
         return {k: float(v) for k, v in metrics.items()}

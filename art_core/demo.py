@@ -1,0 +1,138 @@
+"""`art demo`: a real RL run on the embedded default model (SmolLM2-135M-Instruct), on CPU.
+
+The task: answer open questions in as few words as possible while still answering. The reward
+is computed by plain user code (no judge), so the run is fast and the curve easy to read:
+
+    reward = 1 - min(words, 40) / 40    (0 for an empty reply)
+
+Replies cut off at the token limit still score by their length, so the signal is dense.
+
+Each step: `groups_per_step` questions x `rollouts_per_group` rollouts through the gateway,
+GRPO on a LoRA, hot-swap into vLLM. The run directory keeps everything; running the demo again
+continues from the last step (resumable). At the end it prints the reward curve and writes a
+plot next to the checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from pathlib import Path
+
+from art_core import (
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+    gather_trajectory_groups,
+)
+
+QUESTIONS = [
+    "Describe the ocean.", "Why is the sky blue?", "What is a computer?",
+    "Tell me about dogs.", "How do plants grow?", "What is music?", "Explain gravity.",
+    "What is the internet?", "Describe a city at night.", "Why do we sleep?",
+    "What is friendship?", "How does rain form?", "What is a volcano?", "Tell me about the moon.",
+    "What is a library?", "How do birds fly?", "What is electricity?", "Describe winter.",
+    "What is a forest?", "Why do cats purr?",
+]
+SYSTEM = "You are a helpful assistant."
+MAX_TOKENS = 48
+
+
+def brevity_reward(text: str) -> float:
+    words = len(text.split())
+    return 0.0 if words == 0 else 1.0 - min(words, 40) / 40
+
+
+async def rollout(model: TrainableModel, question: str, temperature: float = 1.0) -> Trajectory:
+    """The ART-style user contract: a plain async function from scenario to Trajectory."""
+    traj = Trajectory(messages=[{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": question}],
+                      metadata={"question": question})
+    response = await model.openai_client().chat.completions.create(
+        model=model.name, messages=traj.messages, max_tokens=MAX_TOKENS, temperature=temperature)
+    traj.add_completion(response)
+    choice = response.choices[0]
+    traj.reward = brevity_reward(choice.message.content or "")
+    traj.metrics["words"] = len((choice.message.content or "").split())
+    return traj
+
+
+async def evaluate(model: TrainableModel, questions: list[str], n: int = 2) -> float:
+    """Mean reward of fresh rollouts (not trained on) at the current step."""
+    groups = await gather_trajectory_groups(
+        ([rollout(model, q) for _ in range(n)] for q in questions), show_progress=False)
+    rewards = [t.reward for g in groups for t in g]
+    return sum(rewards) / len(rewards)
+
+
+async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
+              rollouts_per_group: int = 6, learning_rate: float = 2e-4, seed: int = 0,
+              eval_questions: int = 8, plot: bool = True) -> list[tuple[int, float]]:
+    """Train for `steps` steps (continuing an earlier run); returns [(step, eval reward)]."""
+    rng = random.Random(seed)
+    train_qs, eval_qs = QUESTIONS[:-eval_questions], QUESTIONS[-eval_questions:]
+    async with LocalBackend(path) as backend:
+        t0 = time.perf_counter()
+        model = TrainableModel(name="brevity", project="demo")
+        await model.register(backend)
+        print(f"registered {model.name} on {model.base_model} "
+              f"({time.perf_counter() - t0:.0f} s, engine + gateway up)")
+        curve = [(await model.get_step(), await evaluate(model, eval_qs))]
+        print(f"step {curve[0][0]:>3}  eval reward {curve[0][1]:.3f}")
+        config = TrainConfig(learning_rate=learning_rate)
+        start = await model.get_step()
+        for step in range(start, start + steps):
+            questions = rng.sample(train_qs, groups_per_step)
+            groups: list[TrajectoryGroup] = await gather_trajectory_groups(
+                ([rollout(model, q) for _ in range(rollouts_per_group)] for q in questions),
+                description=f"step {step} rollouts")
+            result = await model.train(groups, config)
+            reward = await evaluate(model, eval_qs)
+            curve.append((result.step, reward))
+            m = result.metrics
+            print(f"step {result.step:>3}  eval reward {reward:.3f}  train reward "
+                  f"{m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
+                  f"{m['seconds']:.1f} s train  {m['trained_tokens']:.0f} tokens")
+        md = backend._dir(model)
+        if plot:
+            _plot(curve, md.path / "reward.png")
+        print(f"reward curve: {' '.join(f'{s}:{r:.2f}' for s, r in curve)}")
+        print(f"checkpoints in {md.checkpoints}")
+    return curve
+
+
+def _plot(curve: list[tuple[int, float]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval reward (brevity)")
+    ax.set_title("art demo: SmolLM2-135M learns to answer briefly")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    print(f"plot: {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="art demo", description=__doc__.splitlines()[0])
+    p.add_argument("--path", default=".art")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--rollouts-per-group", type=int, default=6)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    args = p.parse_args(argv if argv is not None else [])
+    asyncio.run(run(args.path, args.steps, args.groups_per_step, args.rollouts_per_group,
+                    args.learning_rate))
+    return 0
