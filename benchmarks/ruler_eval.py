@@ -226,6 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="judge with a built-in oracle on a local scripted server",
     )
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="judge with the embedded SmolLM2 served by a LocalBackend started here",
+    )
     args = parser.parse_args(argv)
 
     kwargs: dict[str, Any] = {
@@ -243,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             evaluate(args.judge, concurrency=args.concurrency, seed=args.seed, **kwargs)
         )
 
-    if args.dry_run:
+    if args.local:
+        summary = run_with_local_judge(args, kwargs, run)
+    elif args.dry_run:
         from ruler.testing import ScriptedJudge
 
         with ScriptedJudge(oracle) as server:
@@ -261,6 +268,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"mean spearman: {summary['spearman']:.3f}  mean kendall: {summary['kendall']:.3f}")
     return 0 if summary["failed"] < summary["groups"] else 1
+
+
+def run_with_local_judge(args: argparse.Namespace, kwargs: dict[str, Any], run: Any
+                         ) -> dict[str, Any]:
+    """Serve SmolLM2 through our own gateway (a LocalBackend in a temp dir) and judge with it."""
+    import tempfile
+
+    from art_core import LocalBackend, TrainableModel
+
+    async def start(root: str) -> tuple[LocalBackend, TrainableModel]:
+        backend = LocalBackend(root)
+        judge = TrainableModel(name="judge", project="ruler-eval")
+        await judge.register(backend)
+        return backend, judge
+
+    with tempfile.TemporaryDirectory() as root:
+        backend, judge = asyncio.run(start(root))
+        try:
+            args.judge = f"openai/{judge.name}"
+            kwargs.update(api_base=judge.base_url, api_key="none", temperature=0.0, max_tokens=400)
+            return run()
+        finally:
+            asyncio.run(backend.close())
 
 
 if __name__ == "__main__":
