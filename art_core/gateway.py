@@ -61,6 +61,7 @@ class ServedModel:
 
     name: str
     engine: VLLMEngine
+    project: str = "default"
     checkpoints: dict[int, Path] = field(default_factory=dict)
     latest: int = 0
     keep_loaded: int = 3
@@ -112,9 +113,10 @@ class Gateway:
     def add_engine(self, engine: VLLMEngine) -> None:
         self.engines[engine.served_name] = engine
 
-    async def publish(self, name: str, engine: VLLMEngine, step: int, path: Path) -> None:
+    async def publish(self, name: str, engine: VLLMEngine, step: int, path: Path,
+                      project: str | None = None) -> None:
         """Load checkpoint `step` of model `name` and make it what "<name>" serves."""
-        served = self.models.setdefault(name, ServedModel(name, engine))
+        served = self.models.setdefault(name, ServedModel(name, engine, project or "default"))
         served.checkpoints[step] = Path(path)
         await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path)
         served.latest = max(served.checkpoints)

@@ -46,16 +46,22 @@ class ModelDir:
         return self.checkpoints / f"{step:04d}"
 
     def steps(self) -> list[int]:
-        """Complete checkpoint steps, ascending. Half-written (temp) directories are removed."""
+        """Complete checkpoint steps, ascending. Read-only: temp directories are ignored."""
         if not self.checkpoints.exists():
             return []
-        steps = []
-        for d in self.checkpoints.iterdir():
-            if d.name.startswith(".tmp"):
-                shutil.rmtree(d, ignore_errors=True)  # a step killed mid-save
-            elif d.name.isdigit() and (d / "adapter_config.json").exists():
-                steps.append(int(d.name))
-        return sorted(steps)
+        return sorted(
+            int(d.name) for d in self.checkpoints.iterdir()
+            if d.name.isdigit() and (d / "adapter_config.json").exists()
+        )
+
+    def remove_partial_checkpoints(self) -> list[Path]:
+        """Delete temp directories left by a step killed mid-save. Call under the model lock."""
+        if not self.checkpoints.exists():
+            return []
+        partial = [d for d in self.checkpoints.iterdir() if d.name.startswith(".tmp")]
+        for d in partial:
+            shutil.rmtree(d, ignore_errors=True)
+        return partial
 
     def latest_step(self) -> int | None:
         steps = self.steps()

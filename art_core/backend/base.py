@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
+
+from art_core.trajectory import TrajectoryGroup
 
 if TYPE_CHECKING:
     from art_core.config import TrainConfig
     from art_core.model import TrainableModel
-    from art_core.trajectory import TrajectoryGroup
+
+
+def check_groups(groups: Any) -> list[TrajectoryGroup]:
+    """The `groups` argument of `train`: a non-empty list of TrajectoryGroup (or one group)."""
+    if isinstance(groups, TrajectoryGroup):
+        groups = [groups]
+    groups = list(groups)
+    if not groups:
+        raise ValueError("train() needs at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
+    return groups
 
 
 class Endpoint(BaseModel):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from art_core.backend.base import Endpoint, TrainResult
+from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.base_models import resolve_base_model
 from art_core.config import TrainConfig
 from art_core.engine import VLLMEngine
@@ -99,15 +99,22 @@ class LocalBackend:
         step = md.latest_step()
         assert step is not None
         engine = self._engines[model.base_model]
-        await self._on_gateway(
-            lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+        await self._on_gateway(lambda: self.gateway.publish(
+            model.name, engine, step, md.checkpoint(step), project=model.project))
         for s in md.steps()[:-1]:  # older steps stay reachable as name@step (loaded on demand)
             self.gateway.models[model.name].checkpoints[s] = md.checkpoint(s)
         return Endpoint(base_url=self.base_url if self._server else "", api_key=None)
 
     def _register_sync(self, model: TrainableModel) -> None:
         md = self._dir(model)
+        served = self.gateway.models.get(model.name)
+        if served is not None and served.project != model.project:
+            raise ValueError(
+                f"a model named {model.name!r} is already served from project "
+                f"{served.project!r}: the OpenAI model name must be unique per backend"
+            )
         with self._model_lock(model):
+            md.remove_partial_checkpoints()  # a step killed mid-save leaves a temp directory
             known = md.read_model_json()
             if known is not None and known.get("base_model") != model.base_model:
                 raise ValueError(
@@ -180,7 +187,7 @@ class LocalBackend:
         "paused" | "trained" | "published" | "done", "step": N, ...} (the server streams them)."""
         config = config or TrainConfig()
         emit = progress or (lambda event: None)
-        groups = _check_groups(groups)
+        groups = check_groups(groups)
         md = self._dir(model)
         if model.base_model not in self._engines:
             raise RuntimeError(f"model {model.name!r} is not registered with this backend")
@@ -200,7 +207,8 @@ class LocalBackend:
                 t_publish = time.perf_counter()
                 await asyncio.to_thread(engine.wake_up)
                 await self._on_gateway(
-                    lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step)))
+                    lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),
+                                                 project=model.project))
                 # from the end of the optimizer step until the new adapter serves requests
                 metrics["publish_seconds"] = time.perf_counter() - t_publish
                 metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
@@ -245,8 +253,12 @@ class LocalBackend:
                                  best_checkpoint_metric: str = "reward_mean") -> list[int]:
         """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""
         md = self._dir(model)
-        with self._model_lock(model):
+        lock = self._model_lock(model)
+        await asyncio.to_thread(lock.acquire)  # never block the loop: a train() may hold it
+        try:
             deleted = md.delete_checkpoints(best_checkpoint_metric)
+        finally:
+            lock.release()
         self.gateway.forget_checkpoints(model.name, deleted)
         return deleted
 
@@ -255,15 +267,3 @@ class LocalBackend:
 
     def remove_model(self, model: TrainableModel) -> None:
         shutil.rmtree(self._dir(model).path, ignore_errors=True)
-
-
-def _check_groups(groups: Any) -> list[TrajectoryGroup]:
-    if isinstance(groups, TrajectoryGroup):
-        groups = [groups]
-    groups = list(groups)
-    if not groups:
-        raise ValueError("train() needs at least one TrajectoryGroup")
-    for i, g in enumerate(groups):
-        if not isinstance(g, TrajectoryGroup):
-            raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
-    return groups

@@ -31,7 +31,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, Field
 
-from art_core.backend.base import Endpoint, TrainResult
+from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.config import TrainConfig
 from art_core.model import TrainableModel, validate_name
 from art_core.trajectory import TrajectoryGroup
@@ -177,7 +177,7 @@ class RemoteBackend:
         `progress`, like LocalBackend's, gets one {"phase", "step", ...} dict per phase."""
         from tqdm.auto import tqdm
 
-        groups = _as_groups(groups)
+        groups = check_groups(groups)
         request_id = uuid.uuid4().hex
         content = await asyncio.to_thread(_train_body, groups, config, request_id)
         bar = tqdm(total=len(TRAIN_PHASES), desc=f"train {model.name}", unit="phase",
@@ -303,18 +303,6 @@ class RemoteBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _as_groups(groups: Any) -> list[TrajectoryGroup]:
-    if isinstance(groups, TrajectoryGroup):
-        groups = [groups]
-    groups = list(groups)
-    if not groups:
-        raise ValueError("train() needs at least one TrajectoryGroup")
-    for i, g in enumerate(groups):
-        if not isinstance(g, TrajectoryGroup):
-            raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
-    return groups
 
 
 def _train_body(groups: list[TrajectoryGroup], config: TrainConfig | None,
