@@ -70,7 +70,7 @@ async def evaluate(model: TrainableModel, questions: list[str], n: int = 2) -> f
 
 
 async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
-              rollouts_per_group: int = 6, learning_rate: float = 2e-4, seed: int = 0,
+              rollouts_per_group: int = 6, learning_rate: float = 1e-3, seed: int = 0,
               eval_questions: int = 8, plot: bool = True) -> list[tuple[int, float]]:
     """Train for `steps` steps (continuing an earlier run); returns [(step, eval reward)]."""
     rng = random.Random(seed)
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--rollouts-per-group", type=int, default=6)
-    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="high for a 135M model: it learns in a few CPU steps (see TrainConfig)")
     args = p.parse_args(argv if argv is not None else [])
     asyncio.run(run(args.path, args.steps, args.groups_per_step, args.rollouts_per_group,
                     args.learning_rate))
