@@ -111,7 +111,7 @@ class VLLMEngine:
             "--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
             "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras),
             "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
-            "--dtype", c.dtype, "--disable-uvicorn-access-log",
+            "--dtype", c.dtype, "--disable-uvicorn-access-log", "--load-format", "safetensors",
         ]
         if c.enforce_eager:
             args.append("--enforce-eager")

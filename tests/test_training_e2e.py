@@ -16,10 +16,12 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.engine
 
 GREEDY_MSG = [{"role": "user", "content": "What is the capital of France?"}]
-# No arguments: under tool_choice="required" even a random model then finishes the call quickly.
+# SmolLM2 writes a tool call reliably for this schema at temperature 0 (vLLM constrains the call
+# but not the arguments' schema, so a looser schema lets it ramble into the token limit).
 TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in Paris",
-    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}]
 
 
 async def rollout(model: TrainableModel, i: int) -> Trajectory:
@@ -76,7 +78,8 @@ async def test_multi_turn_tool_trajectory_trains_exactly_sampled_tokens(backend,
                              {"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
     # tool_choice="required" makes vLLM constrain the output to a valid tool call
     r1 = await client.chat.completions.create(model=model.name, messages=t.messages, tools=TOOLS,
-                                              tool_choice="required", max_tokens=200)
+                                              tool_choice="required", max_tokens=200,
+                                              temperature=0.0)
     msg = t.add_completion(r1)
     assert msg.get("tool_calls"), f"a required tool call must come back: {msg['content']!r:.300}"
     t.messages.append({"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],

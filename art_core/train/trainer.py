@@ -60,7 +60,9 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(base_model)
         # Frozen base weights in bf16 where supported (half the memory); LoRA weights stay fp32.
         dtype = torch.bfloat16 if self.bf16_capable else torch.float32
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype).to(self.device)
+        # safetensors only (invariant 8): a pickle checkpoint can run code when loaded
+        base = AutoModelForCausalLM.from_pretrained(
+            base_model, dtype=dtype, use_safetensors=True).to(self.device)
         base.config.use_cache = False
         peft_config = PeftLoraConfig(
             r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
