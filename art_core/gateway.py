@@ -78,12 +78,14 @@ class Route:
 class Gateway:
     """The FastAPI app and the state behind it (engines, models, gate, ledger)."""
 
-    def __init__(self, *, ledger_size: int = 50_000, gate_timeout_s: float = 3600.0) -> None:
+    def __init__(self, *, ledger_size: int = 50_000, gate_timeout_s: float = 3600.0,
+                 drain_timeout_s: float = 600.0) -> None:
         self.engines: dict[str, VLLMEngine] = {}
         self.models: dict[str, ServedModel] = {}
         self.ledger: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.ledger_size = ledger_size
         self.gate_timeout_s = gate_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self.in_flight = 0
         self._gate_open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -139,10 +141,17 @@ class Gateway:
                 served.engine.unload_adapter(f"{served.name}@{step}")
 
     async def pause(self) -> None:
-        """Close the gate and wait until requests already running have finished."""
+        """Close the gate and wait until requests already running have finished.
+
+        The wait is bounded (`drain_timeout_s`): a request whose client vanished must not be
+        able to hold training back forever."""
         gate, idle = self._events()
         gate.clear()
-        await idle.wait()
+        try:
+            await asyncio.wait_for(idle.wait(), self.drain_timeout_s)
+        except TimeoutError:
+            log.warning("%d requests still running after %.0f s; training starts anyway",
+                        self.in_flight, self.drain_timeout_s)
 
     def resume(self) -> None:
         self._events()[0].set()
