@@ -22,8 +22,8 @@ Why it is shaped like this:
 - Operations that change a model (register, train, delete) take a per-model asyncio lock, so
   two clients training one model queue in the event loop, one step after the other.
 - Read-only calls (step, checkpoint lists, downloads) list the checkpoint directory without
-  side effects: `ModelDir.steps()` removes temp directories, which would break a save running
-  at the same time.
+  side effects; temp directories of interrupted saves are removed only at registration, under
+  the model lock, so a save running at the same time is never broken.
 - Safety (ARCHITECTURE invariant 8): with an API key every route but /health needs
   `Authorization: Bearer <key>` (constant-time compare); bodies are capped (Content-Length
   checked before reading, and counted while streaming); names are validated before they touch
@@ -435,7 +435,7 @@ class ArtServer:
             if key not in self.models:
                 self._names.pop(model.name, None)
             raise self._client_error(e, "register") from None
-        steps = _complete_steps(self._model_dir(*key))
+        steps = self._model_dir(*key).steps()
         return {"name": model.name, "project": model.project, "base_model": model.base_model,
                 "step": steps[-1] if steps else 0}
 
@@ -446,7 +446,7 @@ class ArtServer:
 
     def get_step(self, project: str, name: str) -> dict[str, Any]:
         md = self._existing(project, name)
-        steps = _complete_steps(md)
+        steps = md.steps()
         if not steps:
             raise ApiError(404, f"model {project}/{name} has no checkpoint: register it",
                            "model_not_found")
@@ -454,7 +454,7 @@ class ArtServer:
 
     def list_checkpoints(self, project: str, name: str) -> dict[str, Any]:
         md = self._existing(project, name)
-        steps = _complete_steps(md)
+        steps = md.steps()
         metrics: dict[int, dict[str, float]] = {}
         with contextlib.suppress(OSError, ValueError):
             for row in md.read_history():
@@ -477,9 +477,9 @@ class ArtServer:
     def checkpoint_files(self, project: str, name: str, step: str) -> tuple[Path, list[Path]]:
         md = self._existing(project, name)
         s = self._parse_step(step)
-        if s not in _complete_steps(md):
+        if s not in md.steps():
             raise ApiError(404, f"model {project}/{name} has no checkpoint {s}; steps: "
-                           f"{_complete_steps(md)}", "checkpoint_not_found")
+                           f"{md.steps()}", "checkpoint_not_found")
         d = md.checkpoint(s)
         files = sorted(p for p in d.iterdir() if p.is_file() and not p.is_symlink())
         return d, files
@@ -671,16 +671,6 @@ class ArtServer:
                                "file_not_found")
             return FileResponse(match[0], media_type="application/octet-stream",
                                 filename=filename)
-
-
-def _complete_steps(md: ModelDir) -> list[int]:
-    """Complete checkpoint steps, read-only (unlike `ModelDir.steps()`, which deletes temp
-    directories and so must not run while a step of the model is saving)."""
-    try:
-        return sorted(int(d.name) for d in md.checkpoints.iterdir()
-                      if d.name.isdigit() and (d / "adapter_config.json").is_file())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 # ---- running it ------------------------------------------------------------------------------
