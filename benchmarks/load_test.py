@@ -36,7 +36,6 @@ from art_core import (
     EngineConfig,
     ModelConfig,
     RemoteBackend,
-    SampledTurn,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -102,15 +101,7 @@ async def one_rollout(model: TrainableModel, client: Any, i: int, max_tokens: in
 def to_trajectory(msgs: list[dict[str, Any]], r: Any, reward: float) -> Trajectory:
     """A trainable trajectory from a gateway response (its exact sampled tokens)."""
     t = Trajectory(messages=list(msgs), reward=reward)
-    if hasattr(t, "add_completion"):
-        t.add_completion(r)
-        return t
-    choice = r.choices[0]
-    t.messages.append({"role": "assistant", "content": choice.message.content})
-    t.turns.append(SampledTurn(
-        message_index=len(t.messages) - 1, prompt_token_ids=r.model_extra["prompt_token_ids"],
-        completion_token_ids=choice.model_extra["token_ids"],
-        logprobs=[x.logprob for x in choice.logprobs.content], step=r.model_extra["art_step"]))
+    t.add_completion(r)
     return t
 
 

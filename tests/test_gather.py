@@ -234,22 +234,24 @@ async def test_after_each_returning_wrong_type_raises():
         await gather([[ok(1.0)]], after_each=lambda g: list(g))
 
 
+async def slow(cancelled: list[bool]) -> Trajectory:
+    """A rollout that only ends by cancellation, which it records."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+    return Trajectory()
+
+
 async def test_after_each_error_propagates_and_cancels_rollouts():
     cancelled = []
-
-    async def slow() -> Trajectory:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-        return Trajectory()
 
     def boom(group: TrajectoryGroup) -> TrajectoryGroup:
         raise KeyError("judge down")
 
     with pytest.raises(KeyError, match="judge down"):
-        await asyncio.wait_for(gather([[ok(1.0)], [slow()]], after_each=boom), timeout=5)
+        await asyncio.wait_for(gather([[ok(1.0)], [slow(cancelled)]], after_each=boom), timeout=5)
     assert cancelled == [True]
 
 
@@ -335,15 +337,7 @@ async def test_bad_input_shape_is_rejected_before_anything_runs(groups, match):
 async def test_cancelling_the_gather_cancels_rollouts():
     cancelled = []
 
-    async def slow() -> Trajectory:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-        return Trajectory()
-
-    task = asyncio.create_task(gather([[slow(), slow()], [slow()]]))
+    task = asyncio.create_task(gather([[slow(cancelled), slow(cancelled)], [slow(cancelled)]]))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -31,7 +31,6 @@ import pytest
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.backend.remote import TRAIN_PHASES, RemoteBackend, RemoteBackendError
-from art_core.trajectory import SampledTurn
 
 KEY = "test-" + secrets.token_hex(16)
 BODY_LIMIT_MB = 1
@@ -449,17 +448,7 @@ async def model(remote, tiny_models) -> TrainableModel:
 
 def build_trajectory(messages: list[dict[str, Any]], response: Any, reward: float) -> Trajectory:
     t = Trajectory(messages=list(messages), reward=reward)
-    if hasattr(t, "add_completion"):
-        t.add_completion(response)
-        return t
-    choice = response.choices[0]
-    t.messages.append({"role": "assistant", "content": choice.message.content})
-    t.turns.append(SampledTurn(
-        message_index=len(t.messages) - 1,
-        prompt_token_ids=response.model_extra["prompt_token_ids"],
-        completion_token_ids=choice.model_extra["token_ids"],
-        logprobs=[x.logprob for x in choice.logprobs.content],
-        step=response.model_extra["art_step"]))
+    t.add_completion(response)  # the assistant message + its exact sampled tokens
     return t
 
 
