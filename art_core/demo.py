@@ -1,7 +1,9 @@
 """`art demo`: a real RL run on the embedded default model (SmolLM2-135M-Instruct), on CPU.
 
-The task: answer open questions in as few words as possible while still answering. The reward
-is computed by plain user code (no judge), so the run is fast and the curve easy to read:
+The task: answer open questions in as few words as possible while still answering. The system
+prompt asks for brevity, which the base model mostly ignores (about 1 reply in 6 ends within 48
+tokens), so RL has something to teach. The reward is computed by plain user code (no judge), so
+the run is fast and the curve easy to read:
 
     reward = 1 - min(words, 40) / 40    (0 for an empty reply)
 
@@ -38,7 +40,7 @@ QUESTIONS = [
     "What is a library?", "How do birds fly?", "What is electricity?", "Describe winter.",
     "What is a forest?", "Why do cats purr?",
 ]
-SYSTEM = "You are a helpful assistant."
+SYSTEM = "You are a helpful assistant. Answer briefly."
 MAX_TOKENS = 48
 
 

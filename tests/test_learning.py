@@ -1,8 +1,11 @@
 """The learning test: RL must actually improve the model, and this test can fail.
 
-SmolLM2-135M on the demo's task (answer open questions briefly; reward = 1 - words/40): a few
-GRPO steps on CPU must raise the mean reward of fresh evaluation rollouts (questions never
-trained on) clearly above the step-0 mean. The full curve is printed (run with -s to see it).
+SmolLM2-135M on the demo's task (told to answer briefly, which it mostly ignores; reward =
+1 - words/40): eight GRPO steps on CPU must raise the mean reward of fresh evaluation rollouts
+(questions never trained on) clearly above the step-0 mean. The full curve is printed (run with
+-s to see it). Measured on a 2-core CPU, about 2.7 min per run:
+    0.098 0.137 0.399 0.729 0.905 0.971 0.930 0.812 0.975
+A broken loss, advantage sign, adapter swap or step-to-step resume leaves it near 0.1.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from art_core.gather import gather_trajectory_groups
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-STEPS = 6
+STEPS = 8
 EVAL_QUESTIONS = QUESTIONS[-8:]
 TRAIN_QUESTIONS = QUESTIONS[:-8]
 
@@ -33,4 +36,4 @@ async def test_brevity_reward_rises_on_fresh_rollouts(backend, smollm2_path):
         curve.append(await evaluate(model, EVAL_QUESTIONS, n=3))
     print("eval reward per step:", " ".join(f"{r:.3f}" for r in curve))
     after = max(curve[-2:])
-    assert after > before + 0.1, f"no clear improvement: {curve}"
+    assert after > before + 0.3, f"no clear improvement: {curve}"
