@@ -1,13 +1,14 @@
 """`art demo`: a real RL run on the embedded default model (SmolLM2-135M-Instruct), on CPU.
 
-The task: answer open questions in as few words as possible while still answering. The system
-prompt asks for brevity, which the base model mostly ignores (about 1 reply in 6 ends within 48
-tokens), so RL has something to teach. The reward is computed by plain user code (no judge), so
-the run is fast and the curve easy to read:
+The task: answer open questions in as few words as possible while still answering in a
+finished sentence. The system prompt asks for brevity, which the base model mostly ignores
+(about 1 reply in 6 ends within 48 tokens), so RL has something to teach. The reward is plain
+user code (no judge), so the run is fast and the curve easy to read:
 
-    reward = 1 - min(words, 40) / 40    (0 for an empty reply)
+    reward = 1 - min(words, 40) / 40   for a finished sentence (ends in . ! ?) of >= 3 words
+    reward = 0                         otherwise (empty, a lone word, cut off at the limit)
 
-Replies cut off at the token limit still score by their length, so the signal is dense.
+The sentence rule matters: with length alone, the model learns to emit one made-up word.
 
 Each step: `groups_per_step` questions x `rollouts_per_group` rollouts through the gateway,
 GRPO on a LoRA, hot-swap into vLLM. The run directory keeps everything; running the demo again
@@ -45,8 +46,13 @@ MAX_TOKENS = 48
 
 
 def brevity_reward(text: str) -> float:
+    """Shorter is better, but only for a finished sentence of at least three words: a lone
+    word, an empty reply or one cut off mid-thought scores 0, so the model cannot win by
+    emitting one token."""
     words = len(text.split())
-    return 0.0 if words == 0 else 1.0 - min(words, 40) / 40
+    if words < 3 or not text.rstrip().endswith((".", "!", "?")):
+        return 0.0
+    return 1.0 - min(words, 40) / 40
 
 
 async def rollout(model: TrainableModel, question: str, temperature: float = 1.0) -> Trajectory:
