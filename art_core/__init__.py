@@ -29,14 +29,12 @@ _LAZY = {
     "LocalBackend": "art_core.backend.local",
     "RemoteBackend": "art_core.backend.remote",
     "TrainResult": "art_core.backend.base",
-    "TrajectoryRecorder": "art_core.recorder",
 }
 
 if TYPE_CHECKING:
     from art_core.backend.base import TrainResult
     from art_core.backend.local import LocalBackend
     from art_core.backend.remote import RemoteBackend
-    from art_core.recorder import TrajectoryRecorder
 
 
 def __getattr__(name: str) -> Any:
@@ -62,7 +60,6 @@ __all__ = [
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
-    "TrajectoryRecorder",
     "gather_trajectories",
     "gather_trajectory_groups",
     "read_groups_jsonl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -51,10 +52,15 @@ def test_import_is_light_and_fast():
     assert probe["elapsed"] < 1.5, f"import art_core, art_core.cli took {probe['elapsed']:.2f} s"
 
 
-def test_public_api_resolves():
-    eager = [n for n in art_core.__all__ if n not in art_core._LAZY]
-    for name in eager:
-        assert getattr(art_core, name) is not None
+@pytest.mark.parametrize("package", ["art_core", "ruler", "art_langgraph", "art_mcp"])
+def test_public_api_resolves(package):
+    # every name in __all__, lazy ones included, must import (a stale entry breaks `import *`)
+    module = importlib.import_module(package)
+    missing = [n for n in getattr(module, "__all__", []) if getattr(module, n, None) is None]
+    assert not missing, f"{package}.__all__ names what it cannot import: {missing}"
+
+
+def test_unknown_attribute_is_a_clear_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         art_core.nope  # noqa: B018
 
@@ -84,12 +90,19 @@ def test_version_prints_only_the_version():
     assert result.output == f"{art_core.__version__}\n"
 
 
-def test_demo_without_module_fails_clearly(monkeypatch):
-    if (Path(art_core.__file__).parent / "demo.py").exists():
-        pytest.skip("art_core.demo exists: nothing missing to report")
-    result = runner.invoke(app, ["demo"])
+@pytest.mark.parametrize(("blocked", "args", "expected"), [
+    ("art_core.demo", ["demo"], "art_core.demo is not part of this install"),
+    ("art_core.server", ["serve"], "art_core.server is not part of this install"),
+    ("fastapi", ["serve"], "pip install 'art-agents[backend]'"),
+])
+def test_command_without_its_modules_fails_clearly(monkeypatch, blocked, args, expected):
+    # None in sys.modules makes the import fail as if the module were not installed
+    for name in [blocked, "art_core.server", "art_core.demo"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, blocked, None)
+    result = runner.invoke(app, args)
     assert result.exit_code == 1
-    assert "art_core.demo is not part of this install" in result.output
+    assert expected in result.output
 
 
 @pytest.mark.parametrize(
