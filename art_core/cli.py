@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+from typing import Annotated
 
 import typer
 
@@ -99,6 +100,13 @@ def serve(
     shutdown_grace: float = typer.Option(
         60.0, min=0.0, help="Seconds a running training step gets to finish on SIGTERM."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    allow_base_model: Annotated[list[str] | None, typer.Option(
+        "--allow-base-model", metavar="PATTERN", show_default=False,
+        help="Base models clients may register (glob, repeatable), e.g. 'Qwen/*'. "
+        "None given: any.")] = None,
+    allow_engine_args: bool = typer.Option(
+        False, "--allow-engine-args",
+        help="Let clients pass vLLM flags (engine.extra_args) and a chat-template path."),
 ) -> None:
     """Run the backend (vLLM, gateway, trainer) as a server for RemoteBackend clients.
 
@@ -115,7 +123,9 @@ def serve(
     try:
         _run(module.serve(path, host=host, port=port, api_key=key,  # type: ignore[attr-defined]
                           max_body_bytes=int(max_body_mb * 2**20),
-                          shutdown_grace_s=shutdown_grace, log_level=log_level))
+                          shutdown_grace_s=shutdown_grace, log_level=log_level,
+                          base_models=tuple(allow_base_model or ()),
+                          allow_engine_args=allow_engine_args))
     except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down already; no traceback
         raise typer.Exit(code=130) from None
 

@@ -29,12 +29,18 @@ Why it is shaped like this:
   checked before reading, and counted while streaming); names are validated before they touch
   the file system; errors are JSON `{"error": {"message", "type", "param", "code"}}` and an
   unexpected exception returns a generic message with an id, its traceback goes to the log.
+- What a client may make the host load or run is the operator's choice: `--allow-base-model
+  PATTERN` limits the base models (glob; none given: any), and vLLM command-line flags or a
+  chat-template path from a client (`engine.extra_args`, `engine.chat_template`: they name
+  server files and switches such as `--trust-remote-code`) are refused unless the server was
+  started with `--allow-engine-args`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import hmac
 import json
 import logging
@@ -262,8 +268,11 @@ class ArtServer:
 
     def __init__(self, root: str | Path = ".art", *, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0,
-                 shutdown_grace_s: float = 60.0, max_jobs_kept: int = 1000) -> None:
+                 shutdown_grace_s: float = 60.0, max_jobs_kept: int = 1000,
+                 base_models: tuple[str, ...] = (), allow_engine_args: bool = False) -> None:
         self.root = Path(root).resolve()
+        self.base_models = tuple(base_models)  # glob patterns; empty: any base model
+        self.allow_engine_args = allow_engine_args
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
@@ -421,6 +430,7 @@ class ArtServer:
             model = TrainableModel.model_validate(spec)
         except ValidationError as e:
             raise ApiError(400, _validation_message(e, "model")) from None
+        self._check_allowed(model)
         key = (model.project, model.name)
         # The gateway serves models by name alone, so one name belongs to one project.
         owner = self._names.setdefault(model.name, model.project)
@@ -438,6 +448,21 @@ class ArtServer:
         steps = self._model_dir(*key).steps()
         return {"name": model.name, "project": model.project, "base_model": model.base_model,
                 "step": steps[-1] if steps else 0}
+
+    def _check_allowed(self, model: TrainableModel) -> None:
+        """Refuse what the operator did not allow clients to make this host load or run."""
+        if self.base_models and not any(fnmatch.fnmatchcase(model.base_model, pattern)
+                                        for pattern in self.base_models):
+            raise ApiError(403, f"base_model {model.base_model!r} is not allowed on this server;"
+                           f" allowed: {list(self.base_models)} (art serve --allow-base-model)",
+                           "base_model_not_allowed")
+        engine = model.config.engine
+        refused = [f for f, v in (("engine.extra_args", engine.extra_args),
+                                  ("engine.chat_template", engine.chat_template)) if v]
+        if refused and not self.allow_engine_args:
+            raise ApiError(403, f"{' and '.join(refused)} pass vLLM flags or server file paths; "
+                           "this server refuses them from clients (start it with "
+                           "--allow-engine-args to allow them)", "engine_args_not_allowed")
 
     async def _register(self, model: TrainableModel) -> None:
         async with self._lock(model.project, model.name):
@@ -692,13 +717,15 @@ class _Server(uvicorn.Server):
 def build_server(root: str | Path, *, host: str = "127.0.0.1", port: int = 7999,
                  api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  shutdown_grace_s: float = 60.0, keepalive_s: float = 10.0,
-                 log_level: str = "info") -> _Server:
+                 log_level: str = "info", base_models: tuple[str, ...] = (),
+                 allow_engine_args: bool = False) -> _Server:
     """The uvicorn server for `art serve` (not started). Refuses an unsafe bind."""
     refusal = bind_refusal(host, api_key)
     if refusal:
         raise ValueError(refusal)
     art = ArtServer(root, api_key=api_key, max_body_bytes=max_body_bytes,
-                    keepalive_s=keepalive_s, shutdown_grace_s=shutdown_grace_s)
+                    keepalive_s=keepalive_s, shutdown_grace_s=shutdown_grace_s,
+                    base_models=base_models, allow_engine_args=allow_engine_args)
     config = uvicorn.Config(art.app, host=host, port=port, log_level=log_level,
                             access_log=False, lifespan="on", proxy_headers=False,
                             timeout_graceful_shutdown=max(1, math.ceil(shutdown_grace_s)))
@@ -707,14 +734,16 @@ def build_server(root: str | Path, *, host: str = "127.0.0.1", port: int = 7999,
 
 async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 7999,
                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                shutdown_grace_s: float = 60.0, log_level: str = "info") -> int:
+                shutdown_grace_s: float = 60.0, log_level: str = "info",
+                base_models: tuple[str, ...] = (), allow_engine_args: bool = False) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per vLLM call otherwise
     server = build_server(root, host=host, port=port, api_key=api_key,
                           max_body_bytes=max_body_bytes, shutdown_grace_s=shutdown_grace_s,
-                          log_level=log_level)
+                          log_level=log_level, base_models=base_models,
+                          allow_engine_args=allow_engine_args)
     art = server.art
     log.info("art serve: run directory %s; OpenAI API at http://%s:%d/v1; control API at "
              "%s; API key %s; body limit %s", art.root, host, port, API_PREFIX,

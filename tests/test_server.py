@@ -410,6 +410,55 @@ def test_non_loopback_bind_without_key_is_refused(tmp_path):
     assert not root.exists()  # nothing started, nothing written
 
 
+ENGINE_ARGS = {"engine": {"extra_args": ["--trust-remote-code"]}}
+TEMPLATE = {"engine": {"chat_template": "/etc/hostname"}}
+
+
+@pytest.mark.parametrize(("base_models", "allow_engine_args", "base_model", "config", "refused"), [
+    ((), False, "HuggingFaceTB/SmolLM2-135M-Instruct", {}, None),
+    ((), False, "/any/local/dir", {}, None),                     # no patterns: any base model
+    ((), False, "HuggingFaceTB/SmolLM2-135M-Instruct", ENGINE_ARGS, "engine_args_not_allowed"),
+    ((), False, "HuggingFaceTB/SmolLM2-135M-Instruct", TEMPLATE, "engine_args_not_allowed"),
+    ((), True, "HuggingFaceTB/SmolLM2-135M-Instruct", ENGINE_ARGS, None),
+    (("Qwen/*", "HuggingFaceTB/*"), False, "Qwen/Qwen3-0.6B", {}, None),
+    (("Qwen/*", "HuggingFaceTB/*"), False, "/data/models/mine", {}, "base_model_not_allowed"),
+    (("Qwen/*",), False, "qwen/Qwen3-0.6B", {}, "base_model_not_allowed"),  # case-sensitive
+    (("Qwen/*",), True, "Qwen/Qwen3-0.6B", ENGINE_ARGS, None),
+])
+def test_register_policy(tmp_path, base_models, allow_engine_args, base_model, config, refused):
+    from art_core.server import ApiError, ArtServer
+
+    art = ArtServer(tmp_path / "run", base_models=base_models,
+                    allow_engine_args=allow_engine_args)
+    model = TrainableModel(name="m", project="p", base_model=base_model, config=config)
+    if refused is None:
+        art._check_allowed(model)
+    else:
+        with pytest.raises(ApiError) as e:
+            art._check_allowed(model)
+        assert e.value.status == 403 and e.value.code == refused
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_register_policy_over_http(tmp_path):
+    server = start_server(tmp_path / "run", extra=("--allow-base-model", "HuggingFaceTB/*"))
+    try:
+        before = snapshot(server.root)
+        for body, code in [
+            ({"base_model": "/etc"}, "base_model_not_allowed"),
+            ({"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "config": ENGINE_ARGS},
+             "engine_args_not_allowed"),
+        ]:
+            r = httpx.post(server.url + "/art/v1/models", headers=auth(),
+                           json={"name": "policy", "project": "p", **body})
+            assert r.status_code == 403, r.text
+            error = r.json()["error"]
+            assert error["code"] == code and "--allow-" in error["message"]
+        assert snapshot(server.root) == before  # nothing written for a refused model
+    finally:
+        server.stop()
+
+
 def test_sigterm_stops_an_idle_server_cleanly(tmp_path):
     server = start_server(tmp_path / "run")
     t0 = time.monotonic()
