@@ -8,7 +8,10 @@ user code (no judge), so the run is fast and the curve easy to read:
     reward = 1 - min(words, 40) / 40   for a finished sentence (ends in . ! ?) of >= 3 words
     reward = 0                         otherwise (empty, a lone word, cut off at the limit)
 
-The sentence rule matters: with length alone, the model learns to emit one made-up word.
+The sentence rule matters: with length alone, the model learns to emit one made-up word. The
+reward still checks form, not truth, so expect answers like "A volcano is a volcano." by the
+end (the demo prints one held-out answer from step 0 and from the last step): scoring content
+is what an LLM judge is for (`ruler`).
 
 Each step: `groups_per_step` questions x `rollouts_per_group` rollouts through the gateway,
 GRPO on a LoRA, hot-swap into vLLM. The run directory keeps everything; running the demo again
@@ -105,12 +108,25 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
             print(f"step {result.step:>3}  eval reward {reward:.3f}  train reward "
                   f"{m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
                   f"{m['seconds']:.1f} s train  {m['trained_tokens']:.0f} tokens")
+        await _show_before_after(model, eval_qs[0], await model.get_step())
         md = backend._dir(model)
         if plot:
             _plot(curve, md.path / "reward.png")
         print(f"reward curve: {' '.join(f'{s}:{r:.2f}' for s, r in curve)}")
         print(f"checkpoints in {md.checkpoints}")
     return curve
+
+
+async def _show_before_after(model: TrainableModel, question: str, step: int) -> None:
+    """One held-out question, answered greedily by step 0 and by the latest step."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    print(f"\n{question}")
+    for name in (f"{model.name}@0", f"{model.name}@{step}"):
+        r = await model.openai_client().chat.completions.create(
+            model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        text = (r.choices[0].message.content or "").strip()
+        print(f"  {name:>12}: {text!r}  (reward {brevity_reward(text):.2f})")
+    print()
 
 
 def _plot(curve: list[tuple[int, float]], out: Path) -> None:
