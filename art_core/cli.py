@@ -79,7 +79,8 @@ def _run(result: object) -> None:
         raise typer.Exit(code=result)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(add_help_option=False,  # --help goes to the demo's own parser, with its options
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def demo(ctx: typer.Context) -> None:
     """Train the embedded small model on a toy task, end to end (options: art demo --help)."""
     module = _import_or_exit("art_core.demo", extra="backend")

@@ -150,14 +150,25 @@ def _plot(curve: list[tuple[int, float]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="art demo", description=__doc__.splitlines()[0])
-    p.add_argument("--path", default=".art")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--groups-per-step", type=int, default=4)
-    p.add_argument("--rollouts-per-group", type=int, default=6)
+    p = argparse.ArgumentParser(prog="art demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--path", default=".art",
+                   help="run directory; an existing run continues (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="training steps to add (default: %(default)s)")
+    p.add_argument("--groups-per-step", type=int, default=4,
+                   help="questions per step (default: %(default)s)")
+    p.add_argument("--rollouts-per-group", type=int, default=6,
+                   help="answers sampled per question (default: %(default)s)")
     p.add_argument("--learning-rate", type=float, default=1e-3,
-                   help="high for a 135M model: it learns in a few CPU steps (see TrainConfig)")
+                   help="high for a 135M model: it learns in a few CPU steps, see TrainConfig "
+                   "(default: %(default)s)")
     args = p.parse_args(argv if argv is not None else [])
+    for name, least in (("steps", 1), ("groups_per_step", 1), ("rollouts_per_group", 2)):
+        if getattr(args, name) < least:  # one rollout per group has no group-relative signal
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if not 0 < args.learning_rate < 1:
+        p.error("--learning-rate must be between 0 and 1")
     asyncio.run(run(args.path, args.steps, args.groups_per_step, args.rollouts_per_group,
                     args.learning_rate))
     return 0

@@ -173,3 +173,29 @@ def test_console_script(args, expected):
     assert proc.returncode == 0, proc.stderr
     assert expected in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "code", "expected"), [
+    (["--help"], 0, ["--rollouts-per-group", "reward = 1 - min(words, 40) / 40"]),
+    (["--steps", "0"], 2, ["--steps must be at least 1"]),
+    (["--rollouts-per-group", "1"], 2, ["--rollouts-per-group must be at least 2"]),
+    (["--learning-rate", "3"], 2, ["--learning-rate must be between 0 and 1"]),
+    (["--steps", "x"], 2, ["invalid int value"]),
+])
+def test_demo_options_reach_its_parser(capsys, args, code, expected):
+    # the real art_core.demo: --help and bad values are answered before anything starts
+    from art_core.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == code
+    out = capsys.readouterr()
+    for needle in expected:
+        assert needle in out.out + out.err
+
+
+def test_art_demo_help_is_the_demos_own():
+    proc = _run(sys.executable, "-m", "art_core.cli", "demo", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--groups-per-step" in proc.stdout and "usage: art demo" in proc.stdout
+
