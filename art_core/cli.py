@@ -88,6 +88,31 @@ def demo(ctx: typer.Context) -> None:
 
 
 @app.command()
+def plot(
+    path: str = typer.Option(".art", "--path", help="Run directory to read."),
+    metric: Annotated[list[str] | None, typer.Option(
+        "--metric", "-m", show_default=False,
+        help="Metric of history.jsonl to draw (repeatable). Default: reward_mean and loss.",
+    )] = None,
+    out: str = typer.Option("", "--out", show_default=False,
+                            help="PNG to write. Default: <path>/curves.png."),
+) -> None:
+    """Draw every model's training curves from a run directory and print a summary."""
+    from art_core.plot import PlotError, plot_curves, read_curves, summary
+
+    metrics = metric or ["reward_mean", "loss"]
+    try:
+        curves = read_curves(path, metrics)
+        for line in summary(curves):
+            typer.echo(line)
+        written = plot_curves(curves, out or f"{path}/curves.png", title=f"art: {path}")
+    except PlotError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(f"plot: {written}")
+
+
+@app.command()
 def serve(
     host: str = typer.Option(
         "127.0.0.1", help="Address to listen on. A non-loopback address needs an API key."),

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import random
 import time
-from pathlib import Path
 
 from art_core import (
     LocalBackend,
@@ -35,6 +34,7 @@ from art_core import (
     TrajectoryGroup,
     gather_trajectory_groups,
 )
+from art_core.plot import PlotError, plot_curves
 
 QUESTIONS = [
     "Describe the ocean.", "Why is the sky blue?", "What is a computer?",
@@ -111,7 +111,13 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
         await _show_before_after(model, eval_qs[0], await model.get_step())
         md = backend._dir(model)
         if plot:
-            _plot(curve, md.path / "reward.png")
+            try:
+                out = plot_curves({"eval reward (held-out questions)": {model.name: curve}},
+                                  md.path / "reward.png",
+                                  title="art demo: SmolLM2-135M learns to answer briefly")
+                print(f"plot: {out}  (training metrics: art plot --path {path})")
+            except PlotError as e:
+                print(f"no plot: {e}")
         print(f"reward curve: {' '.join(f'{s}:{r:.2f}' for s, r in curve)}")
         print(f"checkpoints in {md.checkpoints}")
     return curve
@@ -127,26 +133,6 @@ async def _show_before_after(model: TrainableModel, question: str, step: int) ->
         text = (r.choices[0].message.content or "").strip()
         print(f"  {name:>12}: {text!r}  (reward {brevity_reward(text):.2f})")
     print()
-
-
-def _plot(curve: list[tuple[int, float]], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
-    ax.set_xlabel("step")
-    ax.set_ylabel("eval reward (brevity)")
-    ax.set_title("art demo: SmolLM2-135M learns to answer briefly")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    print(f"plot: {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

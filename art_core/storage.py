@@ -5,7 +5,8 @@
         checkpoints/0000/ ...       one peft adapter directory per complete step
         journal/0001.jsonl          the groups of step 1, written before that step trains
         history.jsonl               one row of metrics per step
-        optimizer/                  the optimizer state of the latest step (for resume)
+        optimizer.safetensors       AdamW state of the latest step (for resume); optimizer.step
+                                    names that step
 
 Invariant 3 (no lost work): groups are journaled before a step starts; checkpoints are written
 to a temp directory and renamed into place, so a directory named like a step is complete.
