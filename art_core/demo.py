@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import random
 import time
+from pathlib import Path
 
 from art_core import (
     LocalBackend,
@@ -35,6 +36,7 @@ from art_core import (
     gather_trajectory_groups,
 )
 from art_core.plot import PlotError, plot_curves
+from art_core.storage import append_jsonl, read_jsonl
 
 QUESTIONS = [
     "Describe the ocean.", "Why is the sky blue?", "What is a computer?",
@@ -83,8 +85,8 @@ async def evaluate(model: TrainableModel, questions: list[str], n: int = 2) -> f
 async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
               rollouts_per_group: int = 6, learning_rate: float = 1e-3, seed: int = 0,
               eval_questions: int = 8, plot: bool = True) -> list[tuple[int, float]]:
-    """Train for `steps` steps (continuing an earlier run); returns [(step, eval reward)]."""
-    rng = random.Random(seed)
+    """Train for `steps` steps (continuing an earlier run); returns [(step, eval reward)] of
+    the whole run directory, earlier runs included."""
     train_qs, eval_qs = QUESTIONS[:-eval_questions], QUESTIONS[-eval_questions:]
     async with LocalBackend(path) as backend:
         t0 = time.perf_counter()
@@ -92,10 +94,14 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
         await model.register(backend)
         print(f"registered {model.name} on {model.base_model} "
               f"({time.perf_counter() - t0:.0f} s, engine + gateway up)")
-        curve = [(await model.get_step(), await evaluate(model, eval_qs))]
-        print(f"step {curve[0][0]:>3}  eval reward {curve[0][1]:.3f}")
-        config = TrainConfig(learning_rate=learning_rate)
+        md = backend._dir(model)
+        evals = EvalLog(md.path / "eval.jsonl")  # the eval curve of every run on this directory
         start = await model.get_step()
+        if start not in evals.curve:
+            evals.add(start, await evaluate(model, eval_qs))
+        print(f"step {start:>3}  eval reward {evals.curve[start]:.3f}")
+        config = TrainConfig(learning_rate=learning_rate)
+        rng = random.Random(f"{seed}-{start}")  # a resumed run draws other questions
         for step in range(start, start + steps):
             questions = rng.sample(train_qs, groups_per_step)
             groups: list[TrajectoryGroup] = await gather_trajectory_groups(
@@ -103,13 +109,13 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
                 description=f"step {step} rollouts")
             result = await model.train(groups, config)
             reward = await evaluate(model, eval_qs)
-            curve.append((result.step, reward))
+            evals.add(result.step, reward)
             m = result.metrics
             print(f"step {result.step:>3}  eval reward {reward:.3f}  train reward "
                   f"{m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
                   f"{m['seconds']:.1f} s train  {m['trained_tokens']:.0f} tokens")
         await _show_before_after(model, eval_qs[0], await model.get_step())
-        md = backend._dir(model)
+        curve = sorted(evals.curve.items())
         if plot:
             try:
                 out = plot_curves({"eval reward (held-out questions)": {model.name: curve}},
@@ -121,6 +127,20 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
         print(f"reward curve: {' '.join(f'{s}:{r:.2f}' for s, r in curve)}")
         print(f"checkpoints in {md.checkpoints}")
     return curve
+
+
+class EvalLog:
+    """step -> eval reward, kept in a JSONL file so a resumed run plots the whole curve."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.curve = {int(r["step"]): float(r["eval_reward"]) for r in read_jsonl(path)
+                      if isinstance(r.get("step"), int)
+                      and isinstance(r.get("eval_reward"), int | float)}
+
+    def add(self, step: int, reward: float) -> None:
+        self.curve[step] = reward
+        append_jsonl(self.path, {"step": step, "eval_reward": reward})
 
 
 async def _show_before_after(model: TrainableModel, question: str, step: int) -> None:

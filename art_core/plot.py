@@ -8,9 +8,10 @@ extra and is imported only when a picture is drawn.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from art_core.storage import read_jsonl
 
 Curve = list[tuple[int, float]]
 
@@ -33,16 +34,7 @@ def find_histories(root: str | Path) -> dict[str, Path]:
 
 
 def _rows(history: Path) -> list[dict]:
-    """The rows of a history; a line that does not parse (being appended right now) is skipped."""
-    rows = []
-    for line in history.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
+    return [r for r in read_jsonl(history) if isinstance(r.get("step"), int)]
 
 
 def _number(value: object) -> bool:
@@ -84,6 +76,7 @@ def plot_curves(curves: dict[str, dict[str, Curve]], out: str | Path, title: str
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise PlotError("plotting needs matplotlib: pip install 'art-agents[plot]'") from None
     out = Path(out)
@@ -99,6 +92,7 @@ def plot_curves(curves: dict[str, dict[str, Curve]], out: str | Path, title: str
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     if title:
         axes[0, 0].set_title(title)
     fig.tight_layout()

@@ -15,12 +15,16 @@ to a temp directory and renamed into place, so a directory named like a step is 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from art_core.model import validate_name
 from art_core.trajectory import TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+
+log = logging.getLogger(__name__)
 
 
 class ModelDir:
@@ -112,18 +116,10 @@ class ModelDir:
 
     def append_history(self, row: dict[str, Any]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        with self.history.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        append_jsonl(self.history, row)
 
     def read_history(self) -> list[dict[str, Any]]:
-        if not self.history.exists():
-            return []
-        rows = []
-        for line in self.history.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-        return rows
+        return read_jsonl(self.history)
 
     def delete_checkpoints(self, best_metric: str = "reward_mean") -> list[int]:
         """Delete all checkpoints except the latest and the best by `best_metric` (higher is
@@ -141,3 +137,36 @@ class ModelDir:
         for s in deleted:
             shutil.rmtree(self.checkpoint(s), ignore_errors=True)
         return deleted
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line. A process killed mid-write leaves a torn last line; the next row
+    starts on a line of its own, so it is not glued onto the torn one and lost with it."""
+    with path.open("ab") as f:
+        torn = False
+        if f.tell() > 0:  # append mode: the position starts at the end
+            with path.open("rb") as r:
+                r.seek(-1, os.SEEK_END)
+                torn = r.read(1) != b"\n"
+        f.write((("\n" if torn else "") + json.dumps(row) + "\n").encode())
+        f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file (none if it does not exist). A line that does not parse (torn by
+    a kill, or being appended right now) is skipped with a warning instead of hiding every row."""
+    if not path.exists():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a complete JSON line; skipped", path, n)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+

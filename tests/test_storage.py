@@ -72,6 +72,18 @@ def test_history_appends_rows(tmp_path):
     assert json.loads(md.history.read_text().splitlines()[1])["loss"] == 0.25
 
 
+def test_a_torn_history_line_loses_only_itself(tmp_path, caplog):
+    # a process killed mid-append leaves half a row; every other row must stay readable and the
+    # next row must not be glued onto the torn one
+    md = make_dir(tmp_path, rewards={1: 0.9, 2: 0.1})
+    with md.history.open("a") as f:
+        f.write('{"step": 3, "reward_me')
+    md.append_history({"step": 3, "reward_mean": 0.2})
+    assert [r["step"] for r in md.read_history()] == [1, 2, 3]
+    assert "is not a complete JSON line" in caplog.text
+    assert md.delete_checkpoints("reward_mean") == [1, 2]  # best (step 1 -> checkpoint 0) kept
+
+
 @pytest.mark.parametrize(("project", "name"), [("../x", "m"), ("p", "a/b"), ("p", "..")])
 def test_names_are_validated_before_they_become_paths(tmp_path, project, name):
     with pytest.raises(ValueError, match="invalid"):

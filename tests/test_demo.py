@@ -1,10 +1,10 @@
-"""The demo's reward: shorter is better, but only for a finished sentence of three or more words."""
+"""The demo's parts that need no engine: its reward and the eval log that spans resumed runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from art_core.demo import brevity_reward
+from art_core.demo import EvalLog, brevity_reward
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -23,3 +23,18 @@ def test_brevity_reward(text: str, expected: float) -> None:
 
 def test_shorter_sentence_scores_higher() -> None:
     assert brevity_reward("Music is art.") > brevity_reward("Music is a form of art.")
+
+
+def test_eval_log_survives_a_resume_and_skips_torn_lines(tmp_path) -> None:
+    path = tmp_path / "eval.jsonl"
+    first = EvalLog(path)
+    assert first.curve == {}
+    first.add(0, 0.1)
+    first.add(1, 0.4)
+    with path.open("a") as f:
+        f.write('{"step": 2, "eval_rew')  # a run killed mid-write
+    resumed = EvalLog(path)
+    assert resumed.curve == {0: 0.1, 1: 0.4}
+    resumed.add(1, 0.5)  # a step evaluated again: the newest value wins
+    assert EvalLog(path).curve == {0: 0.1, 1: 0.5}
+
