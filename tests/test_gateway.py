@@ -133,6 +133,27 @@ async def test_gate_holds_requests_until_resume(tiny, backend):
     assert len(results) == 4 and all(isinstance(r, str) for r in results)
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+async def test_request_abandoned_at_the_gate_releases_its_slot(tiny, backend, stream):
+    # An agent's client times out while the gate is closed for training and goes away. When
+    # the gate opens, the gateway must not count that request as running forever: the next
+    # training step would wait `drain_timeout_s` (10 minutes) for it to finish.
+    gw = backend.gateway
+    await backend._on_gateway(gw.pause)
+    body = {"model": tiny.name, "messages": MSG, "max_tokens": 8, "stream": stream}
+    async with httpx.AsyncClient(timeout=1.0) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(f"{tiny.base_url}/chat/completions", json=body)
+    await backend._on_gateway(backend._resume)
+    for _ in range(100):
+        if gw.in_flight == 0:
+            break
+        await asyncio.sleep(0.2)
+    assert gw.in_flight == 0, "an abandoned request still holds its in-flight slot"
+    await asyncio.wait_for(backend._on_gateway(gw.pause), 10)  # drains at once
+    await backend._on_gateway(backend._resume)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
