@@ -18,7 +18,8 @@ Why it is shaped like this:
   relays the task's events (NDJSON lines, a keep-alive line every few seconds so no proxy or
   client read timeout fires). A client that disconnects leaves the step to finish; the next
   call sees a consistent step. A retried request with the same `request_id` re-attaches to
-  the job instead of training twice.
+  the job instead of training twice; after a server restart it gets the recorded result
+  (`requests.jsonl` in the model directory).
 - Operations that change a model (register, train, delete) take a per-model asyncio lock, so
   two clients training one model queue in the event loop, one step after the other.
 - Read-only calls (step, checkpoint lists, downloads) list the checkpoint directory without
@@ -71,7 +72,7 @@ from art_core.config import TrainConfig
 from art_core.engine import EngineError
 from art_core.gateway import Gateway
 from art_core.model import TrainableModel, validate_name
-from art_core.storage import ModelDir
+from art_core.storage import ModelDir, append_jsonl, read_jsonl
 from art_core.trajectory import TrajectoryGroup
 
 log = logging.getLogger("art_core.server")
@@ -530,6 +531,10 @@ class ArtServer:
             job_id = self._by_request.get((project, name, request_id))
             if job_id is not None and job_id in self.jobs:
                 return self.jobs[job_id]
+            answered = await asyncio.to_thread(self._answered, project, name, request_id)
+            if answered is not None:  # trained before a restart: answer, do not train again
+                return self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
+                                              status="done"), [answered])
         groups, config = await asyncio.to_thread(self._parse_groups, body)
         model = self.models.get(key)
         if model is None:
@@ -537,14 +542,27 @@ class ArtServer:
                            "(since it started): register it first", "model_not_registered")
         await asyncio.to_thread(self._check_token_ids, groups, model)
         job = TrainJob(uuid.uuid4().hex, project, name, request_id)
-        self.jobs[job.id] = job
-        if request_id is not None:
-            self._by_request[(project, name, request_id)] = job.id
-        self._forget_old_jobs()
-        job.emit({"event": "accepted", "job": job.id, "groups": len(groups),
-                  "trajectories": sum(len(g) for g in groups)})
+        self._add_job(job, [{"event": "accepted", "job": job.id, "groups": len(groups),
+                             "trajectories": sum(len(g) for g in groups)}])
         self._spawn(self._run_job(job, model, groups, config))
         return job
+
+    def _add_job(self, job: TrainJob, events: list[dict[str, Any]]) -> TrainJob:
+        self.jobs[job.id] = job
+        if job.request_id is not None:
+            self._by_request[(job.project, job.name, job.request_id)] = job.id
+        self._forget_old_jobs()
+        for event in events:
+            job.emit(event)
+        return job
+
+    def _answered(self, project: str, name: str, request_id: str) -> dict[str, Any] | None:
+        """The result event of a train request this model's directory says was answered."""
+        for row in reversed(read_jsonl(self._model_dir(project, name).requests)):
+            if row.get("request_id") == request_id and isinstance(row.get("step"), int):
+                return {"event": "result", "step": row["step"],
+                        "metrics": row.get("metrics") or {}, "replayed": True}
+        return None
 
     def _parse_groups(self, body: dict[str, Any]) -> tuple[list[TrajectoryGroup], TrainConfig]:
         """Validate the train request's groups and config; each problem is a 400 naming it."""
@@ -609,6 +627,10 @@ class ArtServer:
             async with lock:
                 job.status = "running"
                 result = await self.backend.train(model, groups, config, progress=job.progress)
+                if job.request_id is not None:  # before the result: a retry must find it
+                    append_jsonl(self._model_dir(job.project, job.name).requests,
+                                 {"request_id": job.request_id, "step": result.step,
+                                  "metrics": result.metrics})
             job.status = "done"
             job.emit({"event": "result", "step": result.step, "metrics": result.metrics})
         except BaseException as e:  # noqa: B036 - the job must always end with an event

@@ -5,6 +5,8 @@
         checkpoints/0000/ ...       one peft adapter directory per complete step
         journal/0001.jsonl          the groups of step 1, written before that step trains
         history.jsonl               one row of metrics per step
+        requests.jsonl              `art serve` only: train requests already answered, so a
+                                    client's retry after a server restart is not trained twice
         optimizer.safetensors       AdamW state of the latest step (for resume); optimizer.step
                                     names that step
 
@@ -46,6 +48,10 @@ class ModelDir:
     @property
     def history(self) -> Path:
         return self.path / "history.jsonl"
+
+    @property
+    def requests(self) -> Path:
+        return self.path / "requests.jsonl"
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"{step:04d}"

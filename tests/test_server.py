@@ -157,6 +157,9 @@ def light(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     make_fake_run(root, name="fake-delete", steps=4)
     link = root / "proj" / "models" / "fake" / "checkpoints" / "0001" / "outside.txt"
     link.symlink_to("/etc/hostname")  # a symlink out of the run dir must never be served
+    replay = make_fake_run(root, name="fake-replay", steps=3)  # step 2 answered request r-2
+    (replay / "requests.jsonl").write_text(json.dumps(
+        {"request_id": "r-2", "step": 2, "metrics": {"loss": 0.1}}) + "\n")
     server = start_server(root)
     yield server
     server.stop()
@@ -298,6 +301,21 @@ def test_valid_groups_for_an_unregistered_model_get_409(light):
     r = httpx.post(light.url + "/art/v1/models/proj/fake/train", json={"groups": [GOOD_GROUP]},
                    headers=auth())
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_registered"
+    assert snapshot(light.root) == before
+
+
+def test_a_retried_request_answered_before_a_restart_is_not_trained_again(light):
+    # `requests.jsonl` says r-2 produced step 2 (in an earlier server process): the retry gets
+    # that result, even before the model is registered again, and nothing is written
+    before = snapshot(light.root)
+    url = light.url + "/art/v1/models/proj/fake-replay/train"
+    r = httpx.post(url, json={"groups": [GOOD_GROUP], "request_id": "r-2"}, headers=auth())
+    assert r.status_code == 200, r.text
+    events = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    assert events[-1] == {"event": "result", "step": 2, "metrics": {"loss": 0.1},
+                          "replayed": True}
+    r = httpx.post(url, json={"groups": [GOOD_GROUP], "request_id": "r-3"}, headers=auth())
+    assert r.status_code == 409  # an unknown request id is a new step: register first
     assert snapshot(light.root) == before
 
 
@@ -543,6 +561,9 @@ async def test_register_rollout_train_serve_download(served, remote, model, tmp_
                                 TrainConfig(learning_rate=1e-3),
                                 progress=lambda e: phases.append(e["phase"]))
     assert result.step == 2 and phases == list(TRAIN_PHASES)
+    answered = [json.loads(line) for line in (served.root / "server" / "models" / model.name /
+                                              "requests.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in answered] == [1, 2]  # what a retry after a restart finds
 
     cps = await remote.list_checkpoints(model)
     assert [c.step for c in cps] == [0, 1, 2] and "reward_mean" in cps[1].metrics
