@@ -2,7 +2,7 @@
 
 Every model keeps one row of metrics per step in `<path>/<project>/models/<name>/history.jsonl`.
 `art plot` reads them all and draws the chosen metrics against the step, one subplot per metric
-and one line per model, and prints first -> last (best) per model. matplotlib is the `plot`
+and one line per model, and prints first -> last (max) per model. matplotlib is the `plot`
 extra and is imported only when a picture is drawn.
 """
 
