@@ -7,8 +7,7 @@
         history.jsonl               one row of metrics per step
         requests.jsonl              `art serve` only: train requests already answered, so a
                                     client's retry after a server restart is not trained twice
-        optimizer.safetensors       AdamW state of the latest step (for resume); optimizer.step
-                                    names that step
+        optimizer.safetensors       AdamW state of the latest step (for resume), tagged with it
 
 Invariant 3 (no lost work): groups are journaled before a step starts; checkpoints are written
 to a temp directory and renamed into place, so a directory named like a step is complete.
@@ -48,6 +47,10 @@ class ModelDir:
     @property
     def history(self) -> Path:
         return self.path / "history.jsonl"
+
+    @property
+    def optimizer(self) -> Path:
+        return self.path / "optimizer.safetensors"
 
     @property
     def requests(self) -> Path:

@@ -164,9 +164,7 @@ class LocalBackend:
             step = md.latest_step()
             if step is not None:
                 trainer.load_adapter(md.checkpoint(step))
-                opt = md.path / "optimizer.safetensors"
-                if opt.exists() and (md.path / "optimizer.step").read_text().strip() == str(step):
-                    trainer.load_optimizer(opt, TrainConfig())
+                trainer.load_optimizer(md.optimizer, TrainConfig(), checkpoint=step)
             self._trainers[key] = trainer
         return trainer
 
@@ -235,8 +233,7 @@ class LocalBackend:
         trainer.save_adapter(tmp)
         md.commit_checkpoint(tmp, step)
         metrics["save_seconds"] = time.perf_counter() - t0
-        trainer.save_optimizer(md.path / "optimizer.safetensors")
-        (md.path / "optimizer.step").write_text(str(step))
+        trainer.save_optimizer(md.optimizer, checkpoint=step)
         return {k: float(v) for k, v in metrics.items()}
 
     async def replay_interrupted(self, model: TrainableModel,

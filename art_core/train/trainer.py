@@ -91,8 +91,9 @@ class Trainer:
         if unexpected:
             raise RuntimeError(f"adapter {adapter_dir} does not fit this model: {unexpected[:3]}")
 
-    def save_optimizer(self, path: Path) -> None:
-        """AdamW moments as safetensors (weights load from safetensors only, invariant 8)."""
+    def save_optimizer(self, path: Path, checkpoint: int) -> None:
+        """AdamW moments as safetensors (weights load from safetensors only, invariant 8),
+        tagged with the checkpoint they belong to, in one atomic file."""
         if self.optimizer is None:
             return
         tensors: dict[str, torch.Tensor] = {}
@@ -104,17 +105,25 @@ class Trainer:
                 tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
                 steps = int(st["step"])
         tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"step": str(steps)})
+        save_file(tensors, str(tmp), metadata={"step": str(steps), "checkpoint": str(checkpoint)})
         tmp.replace(path)
 
-    def load_optimizer(self, path: Path, config: TrainConfig) -> None:
+    def load_optimizer(self, path: Path, config: TrainConfig, checkpoint: int) -> bool:
+        """Restore the moments saved with `checkpoint`; returns whether it did. Moments of any
+        other checkpoint (a run killed between saving the adapter and the optimizer) are left
+        out: AdamW starts fresh, which is safe, where stale moments would not be."""
         if not path.exists():
-            return
+            return False
         from safetensors import safe_open
 
-        opt = self._ensure_optimizer(config)
         with safe_open(str(path), framework="pt") as f:
-            steps = int((f.metadata() or {}).get("step", "0"))
+            meta = f.metadata() or {}
+            if meta.get("checkpoint") != str(checkpoint):
+                log.info("optimizer state in %s is for checkpoint %s, not %d: starting fresh",
+                         path, meta.get("checkpoint"), checkpoint)
+                return False
+            opt = self._ensure_optimizer(config)
+            steps = int(meta.get("step", "0"))
             keys = set(f.keys())
             for name, p in self.lora_params.items():
                 if f"{name}.exp_avg" in keys:
@@ -123,6 +132,7 @@ class Trainer:
                         "exp_avg": f.get_tensor(f"{name}.exp_avg").to(p.device),
                         "exp_avg_sq": f.get_tensor(f"{name}.exp_avg_sq").to(p.device),
                     }
+        return True
 
     def _ensure_optimizer(self, config: TrainConfig) -> torch.optim.AdamW:
         key = (config.learning_rate, config.weight_decay)
