@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from art_core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from art_core.model import DEFAULT_BASE_MODEL, Model, TrainableModel
+from art_core.recording import MessageRecorder, Recorder, ToolEvent, current_recorder, recording
 from art_core.trajectory import (
     History,
     RolloutError,
@@ -50,18 +51,23 @@ __all__ = [
     "History",
     "LocalBackend",
     "LoraConfig",
+    "MessageRecorder",
     "Model",
     "ModelConfig",
+    "Recorder",
     "RemoteBackend",
     "RolloutError",
     "SampledTurn",
     "TrainConfig",
     "TrainResult",
+    "ToolEvent",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "current_recorder",
     "gather_trajectories",
     "gather_trajectory_groups",
     "read_groups_jsonl",
+    "recording",
     "write_groups_jsonl",
 ]
