@@ -358,6 +358,19 @@ class Gateway:
                                     "(unknown, or evicted from the ledger)")
             return JSONResponse(rec)
 
+        @app.post("/v1/art/completions/batch")
+        async def get_completions(request: Request) -> Response:
+            """Many ledger records in one round trip: {"ids": [...]} -> {"data", "missing"}."""
+            try:
+                ids = (await request.json()).get("ids")
+            except (ValueError, AttributeError):
+                ids = None
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                return openai_error(400, "body must be {\"ids\": [completion ids]}", param="ids")
+            found = {i: self.ledger[i] for i in ids if i in self.ledger}
+            return JSONResponse({"data": list(found.values()),
+                                 "missing": [i for i in ids if i not in found]})
+
         @app.get("/health")
         async def health() -> dict[str, Any]:
             return {"status": "ok", "paused": self.paused, "in_flight": self.in_flight,
