@@ -8,6 +8,8 @@ For every request it
 4. records prompt ids, completion ids, logprobs, finish reason and serving step in a bounded
    ledger keyed by response id (`GET /v1/art/completions/{id}`), for recorders whose client
    drops unknown fields (langchain-openai), and returns them as extra fields in the response.
+   A streamed chat response also carries its id in each choice's `delta`, because clients that
+   merge deltas into a message (langchain-openai) keep nothing else of the response id.
 
 It runs in its own thread and event loop (`GatewayServer`) so that user code which blocks its
 own loop (a sync LangGraph `invoke`) cannot stall inference.
@@ -317,6 +319,10 @@ class Gateway:
                             chunk = json.loads(line[6:])
                             _accumulate(acc, chunk, chat)
                             chunk["model"] = route.public
+                            if chat:  # clients that merge deltas (langchain) keep the id
+                                for c in chunk.get("choices") or []:
+                                    if isinstance(c.get("delta"), dict):
+                                        c["delta"].setdefault("id", acc["id"])
                             line = "data: " + json.dumps(chunk, separators=(",", ":"))
                     yield (line + "\n\n").encode()
                 if acc["id"] is not None:
