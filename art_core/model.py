@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# API keys of the endpoints models were registered with in this process, by base URL, so that a
+# recorder which only sees a client's URL (zero-change capture) can read the gateway's ledger.
+_ENDPOINT_KEYS: dict[str, str | None] = {}
+
+
+def endpoint_api_key(base_url: str) -> str | None:
+    """The API key for `base_url`: a registered model's key for that URL, else $ART_API_KEY."""
+    import os
+
+    key = _ENDPOINT_KEYS.get(base_url.rstrip("/"))
+    return key if key is not None else os.environ.get("ART_API_KEY") or None
+
 
 def validate_name(value: str, what: str = "name") -> str:
     """Check a name that becomes a path component: letters, digits, '-', '_', '.'; not '..'."""
@@ -91,6 +103,8 @@ class TrainableModel(Model):
         """Attach to a backend: it starts (or reuses) the engine and creates step 0 if new."""
         endpoint = await backend.register(self)
         self.base_url, self.api_key = endpoint.base_url, endpoint.api_key
+        if endpoint.base_url:
+            _ENDPOINT_KEYS[endpoint.base_url.rstrip("/")] = endpoint.api_key
         self._backend = backend
 
     async def get_step(self) -> int:
