@@ -1,19 +1,23 @@
-"""Does a RULER judge rank answers the way we know they should be ranked?
+"""Does a RULER judge rank answers the way we know they should be ranked, in each judging mode?
 
-Eight questions, each with four answers of known quality: correct (3) > partly correct (2) >
-wrong (1) > off-topic (0). Each question is one group, shown to the judge in a shuffled order
-(so a judge that favours a position gains nothing). For every group we compute the rank
-correlation between the judge's scores and the known quality (Spearman's rho with average ranks
-for ties, Kendall's tau-b), then print the means and how many groups failed validation
-(`RulerError`). 1.0 is a perfect ranking; 0 is no better than chance; a judge that gives every
-answer the same score gets 0.
+The set (`benchmarks/data/ruler_eval.jsonl`, one group per line) has 44 groups of 4-5 answers of
+known quality: 28 questions with correct > correct-with-a-false-side-claim > partly correct >
+wrong > off-topic answers, 4 multi-turn chats, and 12 multi-turn tool-using trajectories (right
+tool and answer > the same with a needless extra call > partial > wrong arguments or an answer
+that ignores the tool result > off-topic). Each group is shown to the judge in a shuffled order.
+For every mode (`ruler.MODES`) and group we compute the rank correlation between the judge's
+scores and the known quality (Spearman's rho, average ranks for ties; Kendall's tau-b), and print
+per mode: the mean over groups with a 95% bootstrap interval, the same by kind of group, how many
+groups failed (`RulerError`; a failed group counts as 0, no better than chance) and the wall
+time per group. 1.0 is a perfect ranking; a judge that gives every answer the same score gets 0.
 
     python benchmarks/ruler_eval.py --judge openai/gpt-4o-mini --api-key $OPENAI_API_KEY
     python benchmarks/ruler_eval.py --judge openai/SmolLM2 --api-base http://127.0.0.1:8000/v1
+    python benchmarks/ruler_eval.py --local      # the embedded SmolLM2 through our gateway
     python benchmarks/ruler_eval.py --dry-run    # an oracle judge on a local scripted server
 
 `--dry-run` checks the plumbing, not a model: the oracle knows the answers, so anything below
-1.0 there means the ids, order or de-duplication got mixed up.
+1.0 there means the ids, order, de-duplication or aggregation of some mode got mixed up.
 """
 
 from __future__ import annotations
@@ -25,92 +29,42 @@ import math
 import os
 import random
 import re
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import ruler
+from ruler import robust
+from ruler.prompt import build_judge_messages, dedupe
+from ruler.testing import Reply
 
-SYSTEM = "You are a helpful assistant. Answer the user's question correctly and concisely."
-
-# (question, correct, partly correct, wrong, off-topic)
-QUESTIONS = [
-    (
-        "What is the capital of Australia?",
-        "The capital of Australia is Canberra.",
-        "It is a planned city in the Australian Capital Territory, not Sydney, but I forget its name.",
-        "The capital of Australia is Sydney.",
-        "I really enjoy baking sourdough bread on weekends.",
-    ),
-    (
-        "What is 12 multiplied by 13?",
-        "12 x 13 = 156.",
-        "12 x 13 = 12 x 10 + 12 x 3 = 120 + 36, which I make about 150.",
-        "12 x 13 = 1213.",
-        "The Pacific is the largest ocean on Earth.",
-    ),
-    (
-        "At what temperature does water boil at sea level, in degrees Celsius?",
-        "Water boils at 100 degrees Celsius at sea level.",
-        "Somewhere between 90 and 110 degrees Celsius.",
-        "Water boils at 50 degrees Celsius at sea level.",
-        "My favourite colour is green.",
-    ),
-    (
-        "Who wrote the novel Pride and Prejudice?",
-        "Pride and Prejudice was written by Jane Austen.",
-        "An English novelist of the early 19th century; I think her first name was Jane.",
-        "Pride and Prejudice was written by Charles Dickens.",
-        "Cats sleep between 13 and 16 hours a day.",
-    ),
-    (
-        "What is the chemical symbol for gold?",
-        "The chemical symbol for gold is Au.",
-        "It comes from the Latin word for gold, aurum, but I don't remember the symbol itself.",
-        "The chemical symbol for gold is Go.",
-        "Football is played with eleven players per team.",
-    ),
-    (
-        "Which is the largest planet in our solar system?",
-        "Jupiter is the largest planet in the solar system.",
-        "One of the gas giants; either Saturn or Jupiter.",
-        "Mars is the largest planet in the solar system.",
-        "Remember to drink enough water every day.",
-    ),
-    (
-        "How do I reverse a list `xs` in Python?",
-        "Use `xs.reverse()` to reverse it in place, or `xs[::-1]` to get a reversed copy.",
-        "Loop over the indices from the end and build a new list; I don't recall a built-in.",
-        "Call `xs.sort()`; that reverses the list.",
-        "The Mona Lisa was painted by Leonardo da Vinci.",
-    ),
-    (
-        "How many sides does a hexagon have?",
-        "A hexagon has six sides.",
-        "More than a pentagon's five; I think it is six or seven.",
-        "A hexagon has eight sides.",
-        "Tokyo is a very large city.",
-    ),
-]
-QUALITY = [3, 2, 1, 0]  # correct, partly correct, wrong, off-topic
+DATA = Path(__file__).resolve().parent / "data" / "ruler_eval.jsonl"
+EVAL_MODES = ("listwise", *robust.LOGPROB_MODES)
 
 
-def build_groups(seed: int = 0) -> list[tuple[list[list[dict[str, Any]]], list[int]]]:
-    """For each question: the shuffled conversations and the known quality of each."""
+def load_data(path: Path = DATA) -> list[dict[str, Any]]:
+    """The groups of the set: id, kind, context messages, tools, answers with their quality."""
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_groups(seed: int = 0, path: Path = DATA) -> list[dict[str, Any]]:
+    """Each group's conversations in a shuffled order, with the known quality of each."""
     groups = []
-    for n, (question, *answers) in enumerate(QUESTIONS):
-        order = list(range(len(answers)))
+    for n, g in enumerate(load_data(path)):
+        order = list(range(len(g["answers"])))
         random.Random(seed + n).shuffle(order)
-        lists = [
-            [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": answers[k]},
-            ]
-            for k in order
-        ]
-        groups.append((lists, [QUALITY[k] for k in order]))
+        answers = [g["answers"][k] for k in order]
+        groups.append({
+            "id": g["id"],
+            "kind": g["kind"],
+            "tools": g.get("tools"),
+            "lists": [[*g["context"], *a["messages"]] for a in answers],
+            "quality": [a["quality"] for a in answers],
+        })
     return groups
 
 
@@ -159,56 +113,132 @@ def kendall(xs: Sequence[float], ys: Sequence[float]) -> float:
     return (concordant - discordant) / denominator if denominator else 0.0
 
 
+def bootstrap_ci(values: Sequence[float], seed: int = 0, n: int = 5000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of `values` (resampling groups)."""
+    if not values:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+# --- the oracle judge: knows every answer's quality, answers in whatever mode it is asked ------
+
 _TRAJECTORY = re.compile(r'<trajectory id="([^"]+)">\n(.*?)\n</trajectory>', re.DOTALL)
 
 
-def oracle(body: dict[str, Any]) -> str:
-    """The dry-run judge: scores each answer by its known quality (for `ruler.testing`)."""
-    quality = {a: QUALITY[k] for _, *answers in QUESTIONS for k, a in enumerate(answers)}
-    scores = []
-    for trajectory_id, text in _TRAJECTORY.findall(body["messages"][1]["content"]):
-        contents = [json.loads(line).get("content") for line in text.splitlines()]
-        q = max((quality.get(c, 0) for c in contents), default=0)
-        scores.append(
-            {"trajectory_id": trajectory_id, "explanation": f"quality {q}", "score": q / 3}
-        )
-    return json.dumps({"scores": scores})
+def make_oracle(path: Path = DATA) -> Callable[[dict[str, Any]], Reply]:
+    """A `ScriptedJudge` responder that scores each answer by its known quality, in every mode.
+
+    It indexes the exact prompts RULER builds for each group (listwise blocks, one-answer and
+    pairwise prompts), so a prompt it cannot find means RULER sent something unexpected.
+    """
+    listwise: dict[str, float] = {}
+    prompts: dict[str, Any] = {}
+    for g in build_groups(0, path):
+        top = max(g["quality"])
+        unique, index = dedupe(g["lists"])
+        quality = [g["quality"][index.index(u)] / top for u in range(len(unique))]
+        ids = [str(n) for n in range(1, len(unique) + 1)]
+        judge_messages = build_judge_messages(unique, ids, ruler.DEFAULT_RUBRIC, g["tools"])
+        for (_, block), q in zip(_TRAJECTORY.findall(judge_messages[1]["content"]), quality,
+                                 strict=True):
+            listwise[block] = q
+        for mode in robust.LOGPROB_MODES:
+            p = robust.plan(mode, unique, ruler.DEFAULT_RUBRIC)
+            for k, request in enumerate(p.requests):
+                value = (quality[p.pairs[k][0]], quality[p.pairs[k][1]]) if p.pairs else quality[k]
+                assert prompts.setdefault(request[0]["content"], value) == value, "ambiguous"
+
+    def respond(body: dict[str, Any]) -> Reply:
+        content = body["messages"][-1]["content"]
+        if content in prompts:
+            value = prompts[content]
+            if content.endswith(robust.QUESTIONS["pairwise"]):
+                qa, qb = value
+                p_a = 0.5 if qa == qb else 0.9 if qa > qb else 0.1
+                return Reply(top_logprobs={"A": math.log(p_a), "B": math.log(1 - p_a)})
+            if content.endswith(robust.QUESTIONS["digits"]):
+                return Reply(top_logprobs={str(round(9 * value)): 0.0})
+            p_yes = (1 + 8 * value) / 10  # 0.1 .. 0.9, monotone in quality
+            return Reply(top_logprobs={"Yes": math.log(p_yes), "No": math.log(1 - p_yes)})
+        scores = [{"trajectory_id": i, "explanation": "oracle", "score": listwise[block]}
+                  for i, block in _TRAJECTORY.findall(body["messages"][1]["content"])]
+        return Reply(json.dumps({"scores": scores}))
+
+    return respond
+
+
+# --- evaluation ----------------------------------------------------------------------------------
 
 
 async def evaluate(
-    judge: str, *, concurrency: int = 4, seed: int = 0, **score_kwargs: Any
-) -> dict[str, Any]:
-    """Score every group with `judge`; return the mean correlations and the failures."""
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(lists: list[list[dict[str, Any]]]) -> list[float] | str:
-        async with slots:
-            try:
-                return (await ruler.score(lists, judge, **score_kwargs)).scores
-            except ruler.RulerError as e:
-                return str(e)
-
+    judge: str,
+    modes: Sequence[str] = EVAL_MODES,
+    *,
+    concurrency: int = 4,
+    seed: int = 0,
+    path: Path = DATA,
+    **score_kwargs: Any,
+) -> dict[str, dict[str, Any]]:
+    """Score every group with `judge` in each mode; per mode the correlations and failures."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm  # noqa: F401  imported before the clock starts: the import alone takes seconds
 
-    groups = build_groups(seed)
-    started = time.perf_counter()
-    outcomes = await asyncio.gather(*(one(lists) for lists, _ in groups))
-    rhos, taus, failures = [], [], []
-    for (question, *_), (_, truth), outcome in zip(QUESTIONS, groups, outcomes, strict=True):
-        if isinstance(outcome, str):
-            failures.append(f"{question}: {outcome}")
-            continue
-        rhos.append(spearman(truth, outcome))
-        taus.append(kendall(truth, outcome))
-    return {
-        "spearman": sum(rhos) / len(rhos) if rhos else float("nan"),
-        "kendall": sum(taus) / len(taus) if taus else float("nan"),
-        "groups": len(groups),
-        "failed": len(failures),
-        "failures": failures,
-        "seconds": time.perf_counter() - started,
-    }
+    groups = build_groups(seed, path)
+    results = {}
+    slots = asyncio.Semaphore(concurrency)
+    for mode in modes:
+
+        async def one(g: dict[str, Any], mode: str = mode) -> list[float] | str:
+            async with slots:
+                try:
+                    result = await ruler.score(g["lists"], judge, tools=g["tools"], mode=mode,
+                                               **score_kwargs)
+                    return result.scores
+                except ruler.RulerError as e:
+                    return str(e)
+
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(g) for g in groups))
+        seconds = time.perf_counter() - started
+        rhos, taus, failures, by_kind = [], [], [], {}
+        for g, outcome in zip(groups, outcomes, strict=True):
+            failed = isinstance(outcome, str)
+            if failed:
+                failures.append(f"{mode} {g['id']}: {outcome}")
+            rho = 0.0 if failed else spearman(g["quality"], outcome)
+            rhos.append(rho)
+            taus.append(0.0 if failed else kendall(g["quality"], outcome))
+            by_kind.setdefault(g["kind"], []).append(rho)
+        results[mode] = {
+            "spearman": statistics.fmean(rhos),
+            "ci": bootstrap_ci(rhos, seed),
+            "kendall": statistics.fmean(taus),
+            "by_kind": {k: statistics.fmean(v) for k, v in by_kind.items()},
+            "groups": len(groups),
+            "failed": len(failures),
+            "failures": failures,
+            "seconds": seconds,
+        }
+    return results
+
+
+def report(judge: str, results: dict[str, dict[str, Any]]) -> str:
+    """The per-mode table."""
+    kinds = sorted({k for r in results.values() for k in r["by_kind"]})
+    lines = [f"judge: {judge}  (failed groups count as spearman 0; s/group = wall time / groups)",
+             f"{'mode':<9} {'groups':>6} {'failed':>6}  {'spearman [95% CI]':<24}{'kendall':>8}"
+             + "".join(f"{k:>7}" for k in kinds) + f"{'s/group':>9}"]
+    for mode, r in results.items():
+        lo, hi = r["ci"]
+        lines.append(
+            f"{mode:<9} {r['groups']:>6} {r['failed']:>6}  "
+            f"{r['spearman']:>6.3f} [{lo:6.3f}, {hi:6.3f}]   {r['kendall']:>8.3f}"
+            + "".join(f"{r['by_kind'].get(k, float('nan')):>7.3f}" for k in kinds)
+            + f"{r['seconds'] / r['groups']:>9.2f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,62 +246,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--judge", default="openai/judge", help="litellm model string")
     parser.add_argument("--api-base", help="base URL of an OpenAI-compatible server (…/v1)")
     parser.add_argument("--api-key", help="API key for the judge (a local server takes any)")
+    parser.add_argument("--modes", default=",".join(EVAL_MODES), help="comma-separated modes")
+    parser.add_argument("--data", type=Path, default=DATA, help="the JSONL set")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per judge call")
     parser.add_argument("--max-retries", type=int, default=3, help="retries of invalid answers")
     parser.add_argument("--concurrency", type=int, default=4, help="groups judged at once")
     parser.add_argument("--seed", type=int, default=0, help="seed of the answer shuffling")
     parser.add_argument("--no-cache", action="store_true", help="always call the judge")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="judge with a built-in oracle on a local scripted server",
-    )
-    parser.add_argument(
-        "--local",
-        action="store_true",
-        help="judge with the embedded SmolLM2 served by a LocalBackend started here",
-    )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="judge with a built-in oracle on a local scripted server")
+    parser.add_argument("--local", action="store_true",
+                        help="judge with the embedded SmolLM2 served by a LocalBackend started here")
     args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        ruler.scoring.resolve_mode(m, args.judge, {})  # fail on a typo before anything starts
 
-    kwargs: dict[str, Any] = {
-        "timeout": args.timeout,
-        "max_retries": args.max_retries,
-        "cache": not args.no_cache,
-    }
+    kwargs: dict[str, Any] = {"timeout": args.timeout, "max_retries": args.max_retries,
+                              "cache": not args.no_cache}
     if args.api_key:
         kwargs["api_key"] = args.api_key
     if args.api_base:
         kwargs["api_base"] = args.api_base
 
-    def run() -> dict[str, Any]:
-        return asyncio.run(
-            evaluate(args.judge, concurrency=args.concurrency, seed=args.seed, **kwargs)
-        )
+    def run() -> dict[str, dict[str, Any]]:
+        return asyncio.run(evaluate(args.judge, modes, concurrency=args.concurrency,
+                                    seed=args.seed, path=args.data, **kwargs))
 
     if args.local:
-        summary = run_with_local_judge(args, kwargs, run)
+        results = run_with_local_judge(args, kwargs, run)
     elif args.dry_run:
         from ruler.testing import ScriptedJudge
 
-        with ScriptedJudge(oracle) as server:
+        with ScriptedJudge(make_oracle(args.data)) as server:
             args.judge = "openai/oracle"
             kwargs.update(api_base=server.api_base, api_key="x", num_retries=0)
-            summary = run()
+            results = run()
     else:
-        summary = run()
+        results = run()
 
-    for failure in summary["failures"]:
-        print(f"FAILED {failure}")
-    print(
-        f"judge: {args.judge}  groups: {summary['groups']}  failed: {summary['failed']}  "
-        f"time: {summary['seconds']:.1f} s"
-    )
-    print(f"mean spearman: {summary['spearman']:.3f}  mean kendall: {summary['kendall']:.3f}")
-    return 0 if summary["failed"] < summary["groups"] else 1
+    for r in results.values():
+        for failure in r["failures"]:
+            print(f"FAILED {failure[:300]}")
+    print(report(args.judge, results))
+    return 0 if all(r["failed"] < r["groups"] for r in results.values()) else 1
 
 
 def run_with_local_judge(args: argparse.Namespace, kwargs: dict[str, Any], run: Any
-                         ) -> dict[str, Any]:
+                         ) -> dict[str, dict[str, Any]]:
     """Serve SmolLM2 through our own gateway (a LocalBackend in a temp dir) and judge with it."""
     import tempfile
 

@@ -18,6 +18,12 @@ The algorithm, plainly:
    `metrics["independent_reward"]`, `ruler_*` metrics (latency, tokens, cost, retries, cache
    hit), the explanation appended to `logs`.
 
+Small and local judges (the embedded SmolLM2, a local vLLM) cannot be trusted to write that JSON:
+for them `mode="yesno"`, `"digits"` or `"pairwise"` asks one short question per trajectory (or
+pair) and reads the rating from the judge's token probabilities (`ruler.robust`), so no answer
+can be malformed. `mode="auto"` (the default) uses `LOCAL_DEFAULT_MODE` when the judge is local
+(a loopback `api_base`, or SmolLM2) and the listwise JSON prompt above otherwise.
+
 Why relative: judges are far more consistent at ranking attempts side by side than at giving an
 absolute grade, and GRPO only uses rewards relative to the group's mean anyway.
 
@@ -30,10 +36,21 @@ absolute grade, and GRPO only uses rewards relative to the group's mean anyway.
 from __future__ import annotations
 
 from ruler.prompt import DEFAULT_RUBRIC
-from ruler.scoring import NEUTRAL_SCORE, RulerError, RulerResult, hook, score, score_group
+from ruler.scoring import (
+    LOCAL_DEFAULT_MODE,
+    MODES,
+    NEUTRAL_SCORE,
+    RulerError,
+    RulerResult,
+    hook,
+    score,
+    score_group,
+)
 
 __all__ = [
     "DEFAULT_RUBRIC",
+    "LOCAL_DEFAULT_MODE",
+    "MODES",
     "NEUTRAL_SCORE",
     "RulerError",
     "RulerResult",

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from art_core.trajectory import TrajectoryGroup
 from ruler import cache as disk_cache
+from ruler import robust
 from ruler.answer import InvalidAnswer, TrajectoryScore, json_schema_format, parse_answer
+from ruler.calls import CallStats, import_litellm
 from ruler.prompt import DEFAULT_RUBRIC, Message, build_judge_messages, dedupe
 
 logger = logging.getLogger(__name__)
@@ -34,8 +37,38 @@ FEEDBACK = (
 )
 
 
+MODES = ("auto", "listwise", *robust.LOGPROB_MODES)
+LOCAL_DEFAULT_MODE = "yesno"
+"""`mode="auto"` for a local or small judge: the mode that ranked best with the embedded SmolLM2
+(see `benchmarks/ruler_eval.py` and the README); hosted judges get `"listwise"`."""
+
+
 class RulerError(RuntimeError):
     """The judge gave no usable answer: invalid every time, timed out, or refused the request."""
+
+
+def is_local_judge(judge: str, litellm_kwargs: dict[str, Any]) -> bool:
+    """True when the judge runs on this machine (a loopback api_base) or is the embedded SmolLM2."""
+    base = litellm_kwargs.get("api_base") or litellm_kwargs.get("base_url")
+    host = urlparse(str(base)).hostname if base else None
+    if host:
+        if host == "localhost":
+            return True
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                return True
+        except ValueError:
+            pass
+    return "smollm" in judge.lower()
+
+
+def resolve_mode(mode: str, judge: str, litellm_kwargs: dict[str, Any]) -> str:
+    """The judging mode to use: `mode` itself, or for "auto" the default for this judge."""
+    if mode not in MODES:
+        raise ValueError(f"unknown RULER mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    return LOCAL_DEFAULT_MODE if is_local_judge(judge, litellm_kwargs) else "listwise"
 
 
 @dataclass
@@ -45,54 +78,7 @@ class RulerResult:
     scores: list[float]
     explanations: list[str]
     metrics: dict[str, float | int] = field(default_factory=dict)
-
-
-@dataclass
-class _CallStats:
-    """What judging one group cost; becomes the `ruler_*` metrics."""
-
-    calls: int = 0
-    retries: int = 0
-    format_fallbacks: int = 0
-    latency_s: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float | None = None  # None while litellm knows no price for the judge
-
-    def add_usage(self, litellm: Any, response: Any) -> None:
-        usage = getattr(response, "usage", None)
-        self.prompt_tokens += getattr(usage, "prompt_tokens", None) or 0
-        self.completion_tokens += getattr(usage, "completion_tokens", None) or 0
-        try:
-            cost = float(litellm.completion_cost(completion_response=response))
-        except Exception:  # litellm raises for models it has no price for (a local server)
-            return
-        self.cost_usd = (self.cost_usd or 0.0) + cost
-
-    def metrics(self, cache_hit: bool = False) -> dict[str, float | int]:
-        m: dict[str, float | int] = {
-            "ruler_cache_hit": int(cache_hit),
-            "ruler_judge_calls": self.calls,
-            "ruler_retries": self.retries,
-            "ruler_format_fallbacks": self.format_fallbacks,
-            "ruler_latency_s": self.latency_s,
-            "ruler_prompt_tokens": self.prompt_tokens,
-            "ruler_completion_tokens": self.completion_tokens,
-        }
-        if self.cost_usd is not None:
-            m["ruler_cost_usd"] = self.cost_usd
-        return m
-
-
-def _import_litellm() -> Any:
-    """Import litellm on first use: it is slow to import and would fetch a price map online."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    # litellm prints "Give Feedback / Get Help" banners on every handled error (we handle 400s
-    # and timeouts on purpose); our own log lines say what happened.
-    litellm.suppress_debug_info = True
-    return litellm
+    mode: str = "listwise"
 
 
 async def _ask_judge(
@@ -101,19 +87,19 @@ async def _ask_judge(
     ids: list[str],
     max_retries: int,
     litellm_kwargs: dict[str, Any],
-) -> tuple[dict[str, TrajectoryScore], _CallStats]:
+) -> tuple[dict[str, TrajectoryScore], CallStats]:
     """Send the judge prompt until a valid answer comes back, at most `1 + max_retries` times.
 
     An invalid answer is shown to the judge with what was wrong; a timeout is simply retried.
     A 400/422 on the response format steps down json_schema -> json_object -> none, without using up
     a retry, because many OpenAI-compatible servers support only some of them.
     """
-    litellm = _import_litellm()
+    litellm = import_litellm()
     import openai  # litellm's exceptions subclass openai's
 
     formats: list[dict[str, Any] | None] = [json_schema_format(), {"type": "json_object"}, None]
     conversation = messages
-    stats = _CallStats()
+    stats = CallStats()
     problems: list[str] = []
     while True:
         request = dict(litellm_kwargs)
@@ -186,6 +172,7 @@ async def score(
     rubric: str = DEFAULT_RUBRIC,
     *,
     tools: Sequence[dict[str, Any]] | None = None,
+    mode: str = "auto",
     max_retries: int = 3,
     cache: bool = True,
     cache_dir: str | Path | None = None,
@@ -200,11 +187,18 @@ async def score(
     num_retries...) go to `litellm.acompletion` unchanged. `max_retries` bounds our own retries
     of invalid answers and timeouts (litellm's own retry count is `num_retries`).
 
+    `mode` is how the judge is asked (see `ruler.robust`): "listwise" (one JSON answer scoring the
+    whole group: best with strong hosted judges), "yesno", "digits" or "pairwise" (ratings read
+    from token probabilities: no answer can be malformed, better with small judges; they need an
+    endpoint that returns logprobs). "auto" picks `LOCAL_DEFAULT_MODE` for a local judge (a
+    loopback `api_base`, or SmolLM2) and "listwise" otherwise.
+
     Identical conversations are judged once and get equal scores. With fewer than two distinct
     ones there is nothing to compare: no judge is called and every score is `NEUTRAL_SCORE`.
     Answers are cached on disk (`cache_dir`, default `$ART_HOME/ruler`) unless `cache=False`.
     Raises `RulerError` when the judge gives no valid answer.
     """
+    mode = resolve_mode(mode, judge, litellm_kwargs)
     lists = [list(m) for m in message_lists]
     unique, index = dedupe(lists)
     if len(unique) < 2:
@@ -222,45 +216,58 @@ async def score(
                 NEUTRAL_SCORE,
             )
             note = f"not judged: {why}, nothing to compare; neutral score {NEUTRAL_SCORE}"
-        metrics = {**_CallStats().metrics(), "ruler_unique_trajectories": len(unique)}
-        return RulerResult([NEUTRAL_SCORE] * len(lists), [note] * len(lists), metrics)
+        metrics = {**CallStats().metrics(), "ruler_unique_trajectories": len(unique)}
+        return RulerResult([NEUTRAL_SCORE] * len(lists), [note] * len(lists), metrics, mode)
 
     ids = [str(n) for n in range(1, len(unique) + 1)]
-    messages = build_judge_messages(unique, ids, rubric, tools)
-
+    kwargs_key = {k: v for k, v in litellm_kwargs.items() if k not in _NOT_IN_CACHE_KEY}
+    if mode == "listwise":
+        messages = build_judge_messages(unique, ids, rubric, tools)
+        request: dict[str, Any] = {"messages": messages, "rubric": rubric,
+                                   "response_format": json_schema_format()}
+    else:
+        plan = robust.plan(mode, unique, rubric)
+        request = robust.plan_key(plan)
+        for k in ("max_tokens", "max_completion_tokens", "temperature"):  # fixed by the mode
+            kwargs_key.pop(k, None)
     directory = Path(cache_dir).expanduser() if cache_dir else disk_cache.default_cache_dir()
-    key = disk_cache.request_key(
-        {
-            "judge": judge,
-            "messages": messages,
-            "rubric": rubric,
-            "response_format": json_schema_format(),
-            "litellm_kwargs": {
-                k: v for k, v in litellm_kwargs.items() if k not in _NOT_IN_CACHE_KEY
-            },
-        }
-    )
+    key = disk_cache.request_key({"judge": judge, **request, "litellm_kwargs": kwargs_key})
     entry = disk_cache.read(directory, key) if cache else None
     cache_hit = _usable_entry(entry, ids)
     if cache_hit:
-        stats = _CallStats(cost_usd=0.0)
+        stats = CallStats(cost_usd=0.0)
     else:
-        answer, stats = await _ask_judge(judge, messages, ids, max_retries, litellm_kwargs)
-        entry = {
-            "judge": judge,
-            "ids": ids,
-            "scores": [answer[i].score for i in ids],
-            "explanations": [answer[i].explanation for i in ids],
-        }
+        extra: dict[str, float] = {}
+        if mode == "listwise":
+            answer, stats = await _ask_judge(judge, messages, ids, max_retries, litellm_kwargs)
+            scores = [answer[i].score for i in ids]
+            explanations = [answer[i].explanation for i in ids]
+        else:
+            try:
+                scores, explanations, stats, mass = await robust.judge_plan(
+                    plan, judge, len(unique), max_retries, litellm_kwargs
+                )
+            except ValueError as e:
+                raise RulerError(f"judge {judge} {e}") from e
+            extra["ruler_rating_mass"] = mass
+        entry = {"judge": judge, "ids": ids, "scores": scores, "explanations": explanations,
+                 "metrics": extra}
         if cache:
             try:
                 disk_cache.write(directory, key, entry)
             except OSError as e:  # a full or read-only disk must not lose a paid-for judgement
                 logger.warning("ruler: could not write the cache entry in %s: %s", directory, e)
 
-    metrics = {**stats.metrics(cache_hit), "ruler_unique_trajectories": len(unique)}
+    metrics = {
+        **stats.metrics(cache_hit),
+        "ruler_unique_trajectories": len(unique),
+        **entry.get("metrics", {}),
+    }
     return RulerResult(
-        [entry["scores"][j] for j in index], [entry["explanations"][j] for j in index], metrics
+        [entry["scores"][j] for j in index],
+        [entry["explanations"][j] for j in index],
+        metrics,
+        mode,
     )
 
 
@@ -289,6 +296,7 @@ async def score_group(
     rubric: str = DEFAULT_RUBRIC,
     *,
     swallow_exceptions: bool = False,
+    mode: str = "auto",
     max_retries: int = 3,
     cache: bool = True,
     cache_dir: str | Path | None = None,
@@ -303,12 +311,14 @@ async def score_group(
     Arguments are those of `score`. With `swallow_exceptions=True` a failure is logged as a
     warning and `None` is returned, which tells `gather_trajectory_groups` to drop the group.
     """
+    resolve_mode(mode, judge, litellm_kwargs)  # a wrong mode is a bug: never swallowed
     try:
         result = await score(
             [t.messages for t in group.trajectories],
             judge,
             rubric,
             tools=_group_tools(group),
+            mode=mode,
             max_retries=max_retries,
             cache=cache,
             cache_dir=cache_dir,
@@ -329,7 +339,7 @@ async def score_group(
         t.metrics["ruler_score"] = value
         t.metrics.update(result.metrics)
         t.reward = value
-        t.logs.append(f"RULER {judge}: score {value:.3f}: {explanation}")
+        t.logs.append(f"RULER {judge} [{result.mode}]: score {value:.3f}: {explanation}")
     return scored
 
 
@@ -350,4 +360,15 @@ def hook(
     return after_each
 
 
-__all__ = ["NEUTRAL_SCORE", "RulerError", "RulerResult", "hook", "score", "score_group"]
+__all__ = [
+    "LOCAL_DEFAULT_MODE",
+    "MODES",
+    "NEUTRAL_SCORE",
+    "RulerError",
+    "RulerResult",
+    "hook",
+    "is_local_judge",
+    "resolve_mode",
+    "score",
+    "score_group",
+]

@@ -5,7 +5,7 @@ answers each request with the next scripted `Reply`, or with whatever a callable
 request body. It records every request body it gets, so a test can check what RULER sent. It uses
 only the standard library, so it runs anywhere the package does.
 
-    with ScriptedJudge(['{"scores": [...]}']) as server:
+    with ScriptedJudge(['{"scores": [...]}', Reply(top_logprobs={"Yes": -0.1, "No": -2.4})]) as server:
         await ruler.score(lists, judge="openai/judge", api_base=server.api_base, api_key="x")
         assert len(server.requests) == 1
 """
@@ -26,10 +26,14 @@ from typing import Any
 class Reply:
     """One scripted answer: chat `content` with HTTP 200, or an error `status` with a message.
 
-    `delay` seconds are slept before answering, to provoke client timeouts.
+    `delay` seconds are slept before answering, to provoke client timeouts. `top_logprobs`
+    (token -> logprob) are returned as the candidates of the first generated token, as OpenAI and
+    vLLM do for `logprobs=True, top_logprobs=k`; without them the reply has no logprobs. The
+    content defaults to the most likely of them.
     """
 
     content: str | None = None
+    top_logprobs: dict[str, float] | None = None
     status: int = 200
     error: str = "scripted error"
     delay: float = 0.0
@@ -126,8 +130,20 @@ class ScriptedJudge:
         return Handler
 
 
+def _logprobs(reply: Reply) -> dict[str, Any] | None:
+    if reply.top_logprobs is None:
+        return None
+    top = sorted(reply.top_logprobs.items(), key=lambda kv: -kv[1])
+    candidates = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]
+    first = dict(candidates[0]) if candidates else {"token": "", "logprob": 0.0, "bytes": []}
+    return {"content": [{**first, "top_logprobs": candidates}]}
+
+
 def _completion(model: str, reply: Reply) -> dict[str, Any]:
     """A minimal `chat.completion` object, as OpenAI and vLLM return it."""
+    content = reply.content
+    if content is None and reply.top_logprobs:
+        content = max(reply.top_logprobs.items(), key=lambda kv: kv[1])[0]
     return {
         "id": f"chatcmpl-scripted-{time.monotonic_ns()}",
         "object": "chat.completion",
@@ -136,7 +152,8 @@ def _completion(model: str, reply: Reply) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": reply.content},
+                "message": {"role": "assistant", "content": content},
+                "logprobs": _logprobs(reply),
                 "finish_reason": "stop",
             }
         ],

@@ -88,6 +88,7 @@ def judge_args(server: ScriptedJudge, **overrides: Any) -> dict[str, Any]:
         "num_retries": 0,
         "cache": False,
         "timeout": 10,
+        "mode": "listwise",  # the JSON prompt; a loopback judge would get the local default
     }
     return {**args, **overrides}
 
@@ -328,7 +329,7 @@ async def test_score_group(server: ScriptedJudge) -> None:
             if k.startswith("ruler_")
         )
         assert "ruler_cost_usd" not in t.metrics  # litellm knows no price for a local server
-        assert t.logs[-1].startswith("RULER openai/judge: score")
+        assert t.logs[-1].startswith("RULER openai/judge [listwise]: score")
     assert scored.trajectories[1].logs[-1].endswith("reason 2")
 
     server.push(answer(0.1, 0.2, 0.3))  # scoring again keeps the original reward
@@ -380,6 +381,7 @@ async def test_hook_with_gather(server: ScriptedJudge) -> None:
             cache=False,
             max_retries=1,
             swallow_exceptions=True,
+            mode="listwise",
         )
         groups = await gather.gather_trajectory_groups(
             [[rollout(r) for r in REPLIES], [rollout(r) for r in ("x", "y")]],
@@ -421,19 +423,33 @@ def test_eval_rank_correlations(xs: list[float], ys: list[float], rho: float, ta
 
 async def test_eval_with_oracle_judge() -> None:
     module = _load_eval_script()
-    with ScriptedJudge(module.oracle) as judge:
-        summary = await module.evaluate(
-            "openai/oracle", api_base=judge.api_base, api_key="x", num_retries=0, cache=False
+    groups = module.build_groups()
+    assert len(groups) >= 40 and all(4 <= len(g["lists"]) <= 8 for g in groups)
+    assert {g["kind"] for g in groups} == {"qa", "chat", "tool"}
+    with ScriptedJudge(module.make_oracle()) as judge:
+        results = await module.evaluate(
+            "openai/oracle", ["yesno", "listwise"], api_base=judge.api_base, api_key="x",
+            num_retries=0, cache=False,
         )
-    assert summary["failed"] == 0
-    assert summary["spearman"] == pytest.approx(1.0)
-    assert summary["kendall"] == pytest.approx(1.0)
-    assert len(judge.requests) == summary["groups"] == 8
+    for r in results.values():
+        assert r["failed"] == 0
+        assert r["spearman"] == pytest.approx(1.0) and r["kendall"] == pytest.approx(1.0)
+        assert r["ci"] == pytest.approx((1.0, 1.0))
+    # one request per distinct answer, then one per group
+    assert len(judge.requests) == sum(len(g["lists"]) for g in groups) + len(groups)
+
+
+def test_bootstrap_interval() -> None:
+    module = _load_eval_script()
+    lo, hi = module.bootstrap_ci([0.0, 1.0] * 20)
+    assert 0.3 < lo < 0.5 < hi < 0.7
+    assert module.bootstrap_ci([0.6] * 5) == pytest.approx((0.6, 0.6))
 
 
 def test_eval_script_cli_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
     # In-process (a subprocess would pay litellm's import again); sync, so main's asyncio.run
-    # gets its own event loop.
+    # gets its own event loop. Every mode, with the oracle judge, must rank perfectly.
     assert _load_eval_script().main(["--dry-run", "--no-cache"]) == 0
-    out = capsys.readouterr().out
-    assert "failed: 0" in out and "mean spearman: 1.000" in out
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    for mode in ("listwise", "yesno", "digits", "pairwise"):
+        assert rows[mode][1:6] == ["44", "0", "1.000", "[", "1.000,"], rows[mode]
