@@ -9,7 +9,9 @@ For every request it
    ledger keyed by response id (`GET /v1/art/completions/{id}`), for recorders whose client
    drops unknown fields (langchain-openai), and returns them as extra fields in the response.
    A streamed chat response also carries its id in each choice's `delta`, because clients that
-   merge deltas into a message (langchain-openai) keep nothing else of the response id.
+   merge deltas into a message (langchain-openai) keep nothing else of the response id;
+5. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
+   grammar of the hermes call form and returns them as `tool_calls` (art_core/tool_calls.py).
 
 It runs in its own thread and event loop (`GatewayServer`) so that user code which blocks its
 own loop (a sync LangGraph `invoke`) cannot stall inference.
@@ -34,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from art_core.engine import EngineError, VLLMEngine
+from art_core.tool_calls import ToolCallError, plan_tools, stream_chunks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -266,6 +269,10 @@ class Gateway:
                                        "messages", "messages")
             elif "prompt" not in body:
                 raise GatewayError(400, "'prompt' is required", "prompt")
+            try:  # strict tools: the call's shape is enforced by a grammar (tool_calls.py)
+                plan = plan_tools(body) if chat else None
+            except ToolCallError as e:
+                raise GatewayError(400, str(e), e.param) from None
             requested = body.get("model")
             await self._wait_gate()
             self._enter()
@@ -277,7 +284,9 @@ class Gateway:
                     up["logprobs"] = True
                 elif not isinstance(body.get("logprobs"), int):
                     up["logprobs"] = 0  # sampled-token logprobs only
-                if body.get("stream"):
+                if plan is not None:
+                    up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
+                elif body.get("stream"):
                     response, handed_off = await self._stream(route, path, up, requested, chat)
                     return response
                 r = await self._send(route, path, up)
@@ -287,7 +296,11 @@ class Gateway:
                 data = r.json()
                 data["model"] = route.public
                 data["art_step"] = route.step
+                if plan is not None:
+                    data = plan.convert(data)
                 self._record(_record_of(data, requested, route, chat))
+                if body.get("stream"):  # strict tools, streamed: the finished response, chunked
+                    return _sse(stream_chunks(data, _include_usage(body)))
                 return JSONResponse(data)
             finally:
                 if not handed_off:
@@ -381,6 +394,16 @@ class Gateway:
         async def health() -> dict[str, Any]:
             return {"status": "ok", "paused": self.paused, "in_flight": self.in_flight,
                     "engines": {n: e.running for n, e in self.engines.items()}}
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+    lines = [f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks]
+    return StreamingResponse(iter([*lines, "data: [DONE]\n\n"]), media_type="text/event-stream")
 
 
 def _logprob_list(choice: dict[str, Any], chat: bool) -> list[float]:
