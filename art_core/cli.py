@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import sys
 from typing import Annotated
 
 import typer
@@ -85,6 +86,18 @@ def demo(ctx: typer.Context) -> None:
     """Train the embedded small model on a toy task, end to end (options: art demo --help)."""
     module = _import_or_exit("art_core.demo", extra="backend")
     _run(module.main(list(ctx.args)))  # type: ignore[attr-defined]
+
+
+@app.command("mcp-train", add_help_option=False,  # --help: the command's own parser
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def mcp_train(ctx: typer.Context) -> None:
+    """Train a model on an MCP server's tools (art mcp-train --help; server after --)."""
+    module = _import_or_exit("art_mcp.cli", extra="mcp")
+    argv = list(ctx.args)
+    raw = sys.argv[1:]  # click drops "--", which separates the server's own options from ours
+    if "mcp-train" in raw and "--" in raw:
+        argv = raw[raw.index("mcp-train") + 1:]
+    _run(module.main(argv))  # type: ignore[attr-defined]
 
 
 @app.command()

@@ -1,1 +1,53 @@
-"""art_mcp: not yet implemented (see the open issues)."""
+"""art_mcp: record MCP tool sessions into trajectories, and MCP·RL (train on a server's tools).
+
+    from art_mcp import connect, ServerSpec, run_agent
+    async with connect(ServerSpec(command=["python", "server.py"])) as session:
+        traj = await run_agent(model, session, "Add 5 pens to the stock.")
+
+`import art_mcp` does not import `mcp`, litellm or torch; they load on first use.
+"""
+
+from __future__ import annotations
+
+from art_mcp.agent import COMPLETE_TASK, AgentConfig, action_schema, run_agent
+from art_mcp.scenarios import (
+    Scenario,
+    ScenarioError,
+    generate_scenarios,
+    load_scenarios,
+    save_scenarios,
+    split_scenarios,
+)
+from art_mcp.session import RecordingSession, ServerGone, ServerSpec, connect, openai_tool
+from art_mcp.train import (
+    EvalStats,
+    McpTrainResult,
+    RolloutContext,
+    evaluate,
+    rollout,
+    train_mcp,
+)
+
+__all__ = [
+    "COMPLETE_TASK",
+    "AgentConfig",
+    "EvalStats",
+    "McpTrainResult",
+    "RecordingSession",
+    "RolloutContext",
+    "Scenario",
+    "ScenarioError",
+    "ServerGone",
+    "ServerSpec",
+    "action_schema",
+    "connect",
+    "evaluate",
+    "generate_scenarios",
+    "load_scenarios",
+    "openai_tool",
+    "rollout",
+    "run_agent",
+    "save_scenarios",
+    "split_scenarios",
+    "train_mcp",
+]

@@ -1,0 +1,106 @@
+"""`art mcp-train`: train the embedded model (or another base) on an MCP server's tools.
+
+    art mcp-train --scenarios tasks.jsonl --reward my_reward.py:reward -- python server.py
+    art mcp-train --url http://127.0.0.1:8765/mcp --generator openai/gpt-4.1-mini --judge openai/o4-mini
+
+Without `--reward`, RULER scores each group (`--judge`: a litellm model, or `embedded` for an
+untrained copy of the base model on the same engine). Without `--scenarios`, `--generator`
+writes them from the tool list. A second run on the same `--path` and `--name` continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+
+def load_function(ref: str) -> Any:
+    """`path/to/file.py:name` or `package.module:name` -> the object."""
+    target, _, name = ref.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {ref!r}")
+    if target.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot load {target}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, name)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="art mcp-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="streamable HTTP server URL (instead of a command after --)")
+    p.add_argument("--path", default=".art", help="run directory (default: %(default)s)")
+    p.add_argument("--name", default="mcp-agent", help="model name (default: %(default)s)")
+    p.add_argument("--project", default="mcp", help="project (default: %(default)s)")
+    p.add_argument("--base-model", default=None, help="base model (default: the embedded one)")
+    p.add_argument("--scenarios", help="JSONL file of scenarios ({'task', 'difficulty', ...})")
+    p.add_argument("--generator", help="litellm model that writes scenarios from the tools")
+    p.add_argument("--generator-api-base", help="OpenAI-compatible endpoint for --generator")
+    p.add_argument("--n-scenarios", type=int, default=40, help="scenarios to generate")
+    p.add_argument("--held-out", type=float, default=0.25,
+                   help="held-out share (<1) or count (>=1) (default: %(default)s)")
+    p.add_argument("--reward", help="FILE.py:FUNCTION or MODULE:FUNCTION, "
+                   "reward(trajectory, context) -> float; default: RULER")
+    p.add_argument("--judge", help="RULER judge: a litellm model, or 'embedded'")
+    p.add_argument("--judge-api-base", help="OpenAI-compatible endpoint for --judge")
+    p.add_argument("--steps", type=int, default=4, help="training steps to add (default: %(default)s)")
+    p.add_argument("--groups-per-step", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--rollouts-per-group", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--eval-rollouts", type=int, default=2,
+                   help="rollouts per held-out scenario (default: %(default)s)")
+    p.add_argument("--max-turns", type=int, default=6, help="(default: %(default)s)")
+    p.add_argument("--action-format", choices=["json", "tools"], default="json",
+                   help="json: strict JSON actions (works on small models); tools: native calls")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="(default: %(default)s, for the 135M model; less for larger ones)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("command", nargs="*", help="the command that starts a stdio server (after --)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv or [])
+    if bool(args.url) == bool(args.command):
+        p.error("give the server: either --url URL or -- COMMAND ARGS...")
+    if not args.reward and not args.judge:
+        p.error("give --reward FILE.py:FUNCTION (verifiable) or --judge MODEL (RULER)")
+    if not args.scenarios and not args.generator:
+        p.error("give --scenarios FILE.jsonl or --generator MODEL")
+    for name, least in (("steps", 0), ("groups_per_step", 1), ("rollouts_per_group", 2),
+                        ("eval_rollouts", 1), ("max_turns", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from art_core import TrainableModel, TrainConfig
+    from art_mcp.agent import AgentConfig
+    from art_mcp.session import ServerSpec
+    from art_mcp.train import train_mcp
+
+    model = TrainableModel(name=args.name, project=args.project,
+                           **({"base_model": args.base_model} if args.base_model else {}))
+    server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command)
+    held_out: int | float = int(args.held_out) if args.held_out >= 1 else args.held_out
+    judge_kwargs = {"api_base": args.judge_api_base} if args.judge_api_base else {}
+    gen_kwargs = {"api_base": args.generator_api_base} if args.generator_api_base else {}
+    await train_mcp(
+        server, model=model, path=args.path, scenarios=args.scenarios, generator=args.generator,
+        generator_kwargs=gen_kwargs, n_scenarios=args.n_scenarios, held_out=held_out,
+        reward=load_function(args.reward) if args.reward else None, judge=args.judge,
+        judge_kwargs=judge_kwargs, steps=args.steps, groups_per_step=args.groups_per_step,
+        rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
+        agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format),
+        train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed)
+    return 0
