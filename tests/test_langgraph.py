@@ -1,0 +1,332 @@
+"""The LangGraph recorder: real LangGraph graphs, a real ChatOpenAI, the real gateway and vLLM.
+
+Unit tests (no engine) cover message conversion and how calls are grouped into conversations.
+Engine tests use the tiny random llama (text is gibberish; structure and tokens are what is
+checked) with greedy decoding where two runs are compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langgraph.graph import END, START, MessagesState, StateGraph
+
+from art_core import Trajectory, TrainableModel
+from art_langgraph import (
+    NoSampledTokensError,
+    NothingRecordedError,
+    TrajectoryRecorder,
+    init_chat_model,
+    record,
+)
+from art_langgraph.messages import same_message, to_openai_message
+from art_langgraph.recorder import _Call, _conversations
+from tests.conftest import tiny_config
+
+# ---- unit: conversion and grouping -----------------------------------------------------------
+
+CALL = {"id": "c1", "name": "lookup", "args": {"q": "x"}, "type": "tool_call"}
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    (SystemMessage("be brief"), {"role": "system", "content": "be brief"}),
+    (HumanMessage("hi"), {"role": "user", "content": "hi"}),
+    (HumanMessage([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]),
+     {"role": "user", "content": "ab"}),
+    (AIMessage("done"), {"role": "assistant", "content": "done"}),
+    (AIMessage("", tool_calls=[CALL]),
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function",
+          "function": {"name": "lookup", "arguments": '{"q": "x"}'}}]}),
+    (ToolMessage("42", tool_call_id="c1", name="lookup"),
+     {"role": "tool", "content": "42", "tool_call_id": "c1"}),
+], ids=["system", "human", "human-parts", "ai", "ai-tool-call", "tool"])
+def test_to_openai_message(message, expected):
+    assert to_openai_message(message) == expected
+
+
+def test_same_message_compares_parsed_tool_arguments():
+    a = to_openai_message(AIMessage("", tool_calls=[CALL]))
+    b = {**a, "tool_calls": [{**a["tool_calls"][0], "function": {
+        "name": "lookup", "arguments": '{ "q" : "x" }'}}]}
+    assert same_message(a, b)
+    assert not same_message(a, {**a, "tool_calls": []})
+
+
+def _call(order: int, inputs: list[Any], output: Any, tools: Any = None) -> _Call:
+    return _Call(order=order, inputs=inputs, tools=tools, model="m", base_url=None,
+                 output=output, response_id=f"r{order}")
+
+
+SYS, USER = SystemMessage("sys"), HumanMessage("question")
+A1 = AIMessage("", tool_calls=[CALL])
+T1 = ToolMessage("42", tool_call_id="c1")
+A2 = AIMessage("the answer is 42")
+SUM_IN = [SystemMessage("Summarize."), HumanMessage("the answer is 42")]
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+GROUPING = [
+    # (calls, tool outputs, expected [(n messages, trained indexes)] per conversation)
+    ("one-call", [_call(0, [SYS, USER], A2)], {}, [(3, [2])]),
+    ("continuation", [_call(0, [SYS, USER], A1), _call(1, [SYS, USER, A1, T1], A2)], {},
+     [(5, [2, 4])]),
+    ("summarizer-apart", [_call(0, [SYS, USER], A2), _call(1, SUM_IN, AIMessage("42"))], {},
+     [(3, [2]), (3, [2])]),
+    ("edited-history-starts-anew", [_call(0, [SYS, USER], A1), _call(1, [USER, A1, T1], A2)],
+     {}, [(3, [2]), (4, [3])]),
+    ("last-tool-result-from-on_tool_end", [_call(0, [SYS, USER], A1)], {"c1": T1},
+     [(4, [2])]),
+    ("parallel-subagents-same-input", [_call(0, [USER], A2), _call(1, [USER], A2)], {},
+     [(2, [1]), (2, [1])]),
+]
+
+
+@pytest.mark.parametrize(("calls", "tool_outputs", "expected"),
+                         [c[1:] for c in GROUPING], ids=[c[0] for c in GROUPING])
+def test_calls_group_into_conversations(calls, tool_outputs, expected):
+    convs = _conversations(calls, tool_outputs)
+    assert [(len(c.messages), [i for i, _ in c.turns]) for c in convs] == expected
+    for c in convs:
+        for i, _ in c.turns:
+            assert c.messages[i]["role"] == "assistant"
+
+
+def test_tools_are_kept_per_conversation():
+    convs = _conversations([_call(0, [USER], A1, tools=[TOOL]),
+                            _call(1, [USER, A1, T1], A2, tools=[TOOL])], {})
+    assert convs[0].tools == [TOOL]
+
+
+@pytest.mark.parametrize("on_empty", ["raise", "warn"])
+def test_nothing_recorded_is_loud(on_empty):
+    rec = TrajectoryRecorder(base_url="http://127.0.0.1:9/v1", on_empty=on_empty)
+    if on_empty == "raise":
+        with pytest.raises(NothingRecordedError, match="callbacks"):
+            rec.finish()
+    else:
+        with pytest.warns(UserWarning, match="no chat-model call"):
+            assert rec.finish().messages == []
+
+
+def test_record_block_with_no_call_raises():
+    with pytest.raises(NothingRecordedError, match="record\\(\\)"), record():
+        pass
+
+
+# ---- engine: real graphs through the real gateway ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def tiny(backend, tiny_models) -> TrainableModel:
+    model = TrainableModel(name="lg-tiny", project="langgraph",
+                           base_model=str(tiny_models["llama"]), config=tiny_config())
+    await model.register(backend)
+    return model
+
+
+def agent_graph(llm: Any) -> Any:
+    """agent -> summarizer (a separate conversation) -> agent again (continues the first)."""
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    async def summarize(state: MessagesState) -> dict[str, Any]:
+        summary = await llm.ainvoke([("system", "Summarize."),
+                                     ("user", str(state["messages"][-1].content))])
+        return {"messages": [HumanMessage(f"Summary: {summary.content}. Go on.")]}
+
+    async def agent_async(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_node("summarize", summarize)
+    g.add_node("again", agent_async)
+    g.add_edge(START, "agent")
+    g.add_edge("agent", "summarize")
+    g.add_edge("summarize", "again")
+    g.add_edge("again", END)
+    return g.compile()
+
+
+def sync_agent_graph(llm: Any) -> Any:
+    """The same shape with sync nodes only (for `invoke` / `stream`)."""
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    def summarize(state: MessagesState) -> dict[str, Any]:
+        summary = llm.invoke([("system", "Summarize."),
+                              ("user", str(state["messages"][-1].content))])
+        return {"messages": [HumanMessage(f"Summary: {summary.content}. Go on.")]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_node("summarize", summarize)
+    g.add_node("again", agent)
+    g.add_edge(START, "agent")
+    g.add_edge("agent", "summarize")
+    g.add_edge("summarize", "again")
+    g.add_edge("again", END)
+    return g.compile()
+
+
+INPUT = {"messages": [("system", "You are terse."), ("user", "Name a color.")]}
+
+
+def check_against_ledger(traj: Trajectory, base_url: str) -> int:
+    """Every assistant turn's tokens are exactly the ledger's record of its response."""
+    n = 0
+    for h in traj.histories():
+        assert {t.message_index for t in h.turns} == {
+            i for i, m in enumerate(h.messages) if m["role"] == "assistant"}
+        for turn in h.turns:
+            rec = httpx.get(f"{base_url}/art/completions/{turn.response_id}").json()
+            assert turn.prompt_token_ids == rec["prompt_token_ids"]
+            assert turn.completion_token_ids == rec["choices"][0]["token_ids"]
+            assert turn.logprobs == rec["choices"][0]["logprobs"]
+            n += 1
+    return n
+
+
+def structure(traj: Trajectory) -> list[list[tuple[str, str | None]]]:
+    return [[(m["role"], m.get("content")) for m in h.messages] for h in traj.histories()]
+
+
+async def run_mode(mode: str, tiny: TrainableModel) -> Trajectory:
+    llm = init_chat_model(tiny, max_tokens=6, temperature=0.0)
+    rec = TrajectoryRecorder(tiny)
+    cfg = {"callbacks": [rec]}
+    if mode == "invoke":
+        await asyncio.to_thread(sync_agent_graph(llm).invoke, INPUT, cfg)
+        return await asyncio.to_thread(rec.finish)
+    if mode == "stream":
+        await asyncio.to_thread(lambda: list(sync_agent_graph(llm).stream(INPUT, cfg)))
+        return await asyncio.to_thread(rec.finish)
+    graph = agent_graph(llm)
+    if mode == "ainvoke":
+        await graph.ainvoke(INPUT, cfg)
+    elif mode == "astream-messages":
+        chunks = [c async for c in graph.astream(INPUT, cfg, stream_mode="messages")]
+        assert len(chunks) > 3  # really streamed, token by token
+    elif mode == "astream-events":
+        events = [e async for e in graph.astream_events(INPUT, cfg, version="v2")]
+        assert any(e["event"] == "on_chat_model_stream" for e in events)
+    return await rec.afinish()
+
+
+@pytest.mark.engine
+async def test_every_mode_records_the_same_trajectory(tiny):
+    reference = await run_mode("ainvoke", tiny)
+    assert [m["role"] for m in reference.messages] == [
+        "system", "user", "assistant", "user", "assistant"]
+    assert len(reference.additional_histories) == 1  # the summarizer's own conversation
+    assert check_against_ledger(reference, tiny.base_url) == 3
+    for mode in ["invoke", "stream", "astream-messages", "astream-events"]:
+        traj = await run_mode(mode, tiny)
+        assert structure(traj) == structure(reference), mode
+        assert [[t.completion_token_ids for t in h.turns] for h in traj.histories()] == [
+            [t.completion_token_ids for t in h.turns] for h in reference.histories()], mode
+        assert check_against_ledger(traj, tiny.base_url) == 3, mode
+
+
+@pytest.mark.engine
+async def test_a_subgraph_is_recorded(tiny):
+    llm = init_chat_model(tiny, max_tokens=4)
+
+    def inner(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    sub = StateGraph(MessagesState)
+    sub.add_node("inner", inner)
+    sub.add_edge(START, "inner")
+    sub.add_edge("inner", END)
+    outer = StateGraph(MessagesState)
+    outer.add_node("sub", sub.compile())
+    outer.add_node("after", inner)
+    outer.add_edge(START, "sub")
+    outer.add_edge("sub", "after")
+    outer.add_edge("after", END)
+    async with record(reward=lambda s: float(len(s["messages"]))) as traj:
+        await outer.compile().ainvoke({"messages": [("user", "hi")]})
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "assistant"]
+    assert traj.reward == 3.0  # from the final state
+    assert check_against_ledger(traj, tiny.base_url) == 2
+
+
+@pytest.mark.engine
+async def test_parallel_rollouts_under_record_never_mix(tiny):
+    llm = init_chat_model(tiny, max_tokens=4)
+    graph = agent_graph(llm)
+
+    async def rollout(i: int) -> Trajectory:
+        async with record() as traj:  # no callbacks argument: the configure hook
+            await graph.ainvoke({"messages": [("user", f"rollout {i}")]})
+        return traj
+
+    trajs = await asyncio.gather(*(rollout(i) for i in range(8)))
+    ids = set()
+    for i, t in enumerate(trajs):
+        assert t.messages[0]["content"] == f"rollout {i}"
+        assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant"]
+        assert len(t.additional_histories) == 1
+        ids |= {turn.response_id for h in t.histories() for turn in h.turns}
+    assert len(ids) == 8 * 3  # every call recorded once, in exactly one trajectory
+
+
+@pytest.mark.engine
+async def test_a_model_not_served_by_the_gateway_has_no_sampled_tokens(backend, tiny):
+    from langchain_openai import ChatOpenAI
+
+    engine = backend.gateway.models[tiny.name].engine  # vLLM itself, bypassing our gateway
+    llm = ChatOpenAI(model=engine.served_name, base_url=engine.base_url + "/v1", api_key="x",
+                     max_tokens=4)
+    with pytest.raises(NoSampledTokensError, match=engine.served_name) as err:
+        async with record():
+            await llm.ainvoke("hi")
+    assert "response id 'chatcmpl-" in str(err.value)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        async with record(on_missing="context") as traj:
+            await llm.ainvoke("hi")
+    assert traj.turns == [] and traj.metrics["untrained_turns"] == 1
+    assert not traj.trainable
+
+
+@pytest.mark.engine
+async def test_the_same_graph_trains_for_two_steps(backend, tiny_models):
+    import art_core as art
+
+    model = TrainableModel(name="lg-train", project="langgraph",
+                           base_model=str(tiny_models["llama"]), config=tiny_config())
+    await model.register(backend)
+    graph = agent_graph(init_chat_model(model, max_tokens=6))
+
+    def reward(state: dict[str, Any]) -> float:  # from the final state: longer last answer
+        return float(len(str(state["messages"][-1].content)))
+
+    async def rollout(question: str) -> Trajectory:
+        async with record(reward=reward) as traj:
+            await graph.ainvoke({"messages": [("user", question)]})
+        return traj
+
+    probe = [{"role": "user", "content": "probe"}]
+    client = model.openai_client()
+    before = await client.chat.completions.create(model=f"{model.name}@0", messages=probe,
+                                                  max_tokens=4, temperature=0)
+    for expected_step in (1, 2):
+        groups = await art.gather_trajectory_groups(
+            [rollout(q) for _ in range(4)] for q in ["a", "b"])
+        result = await model.train(groups, art.TrainConfig(learning_rate=5e-2))
+        assert result.step == expected_step
+    after = await client.chat.completions.create(model=model.name, messages=probe,
+                                                 max_tokens=4, temperature=0)
+    assert after.model == f"{model.name}@2"  # the name now serves step 2
+    old = [t.logprob for t in before.choices[0].logprobs.content]
+    new = [t.logprob for t in after.choices[0].logprobs.content]
+    assert old != new  # the served weights changed
