@@ -32,7 +32,11 @@ _LAZY = {
 if TYPE_CHECKING:
     from art_langgraph.chat_model import init_chat_model
     from art_langgraph.context import record
-    from art_langgraph.recorder import NoSampledTokensError, NothingRecordedError, TrajectoryRecorder
+    from art_langgraph.recorder import (
+        NoSampledTokensError,
+        NothingRecordedError,
+        TrajectoryRecorder,
+    )
 
 
 def __getattr__(name: str) -> Any:

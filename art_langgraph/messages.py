@@ -8,6 +8,7 @@ decided by comparing converted messages.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -48,7 +49,7 @@ def to_openai_message(message: Any) -> dict[str, Any]:
     kind = getattr(message, "type", None)
     if kind == "AIMessageChunk":
         kind = "ai"
-    role = _ROLES.get(kind or "", None)
+    role = _ROLES.get(kind or "")
     if role is None and kind == "chat":
         role = getattr(message, "role", "user")
     if role is None:
@@ -75,10 +76,8 @@ def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
         out = []
         for c in m.get("tool_calls") or []:
             args = c["function"].get("arguments")
-            try:
+            with contextlib.suppress(ValueError):
                 args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                pass
             out.append((c["id"], c["function"]["name"], args))
         return out
 

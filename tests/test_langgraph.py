@@ -16,7 +16,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from art_core import Trajectory, TrainableModel
+from art_core import TrainableModel, Trajectory
 from art_langgraph import (
     NoSampledTokensError,
     NothingRecordedError,
