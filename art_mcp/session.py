@@ -214,10 +214,33 @@ class ServerSpec:
 @contextlib.asynccontextmanager
 async def connect(server: ServerSpec, *, workdir: str | Path | None = None,
                   timeout_s: float | None = 60.0, max_result_chars: int | None = 8000,
-                  ) -> AsyncIterator[RecordingSession]:
+                  init_timeout_s: float = 60.0) -> AsyncIterator[RecordingSession]:
     """An initialized `RecordingSession` on `server`. A stdio server is started with
     `ART_MCP_ROLLOUT_DIR=workdir` (and its stderr written to `workdir/server.log`), and stopped
-    when the block ends."""
+    when the block ends. `timeout_s` bounds each tool call; `init_timeout_s` the handshake."""
+    try:
+        async with _open(server, workdir, init_timeout_s) as session:
+            yield RecordingSession(session, timeout_s=timeout_s, max_result_chars=max_result_chars)
+    except BaseExceptionGroup as group:
+        # the transports' task groups wrap whatever ended the block: give back the one error
+        # (ServerGone, a timeout, the caller's own) so callers see the type they expect
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+
+
+def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    while isinstance(group, BaseExceptionGroup):
+        if len(group.exceptions) != 1:
+            return None
+        group = group.exceptions[0]
+    return group
+
+
+@contextlib.asynccontextmanager
+async def _open(server: ServerSpec, workdir: str | Path | None,
+                init_timeout_s: float) -> AsyncIterator[Any]:
     from mcp import ClientSession
 
     async with contextlib.AsyncExitStack() as stack:
@@ -246,5 +269,5 @@ async def connect(server: ServerSpec, *, workdir: str | Path | None = None,
             read, write = await stack.enter_async_context(
                 streamable_http_client(server.url or "", http_client=http_client))
         session = await stack.enter_async_context(ClientSession(read, write))
-        await asyncio.wait_for(session.initialize(), timeout_s or 60.0)
-        yield RecordingSession(session, timeout_s=timeout_s, max_result_chars=max_result_chars)
+        await asyncio.wait_for(session.initialize(), init_timeout_s)
+        yield session
