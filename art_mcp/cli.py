@@ -58,10 +58,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rollouts", type=int, default=2,
                    help="rollouts per held-out scenario (default: %(default)s)")
     p.add_argument("--max-turns", type=int, default=6, help="(default: %(default)s)")
-    p.add_argument("--action-format", choices=["json", "tools"], default="json",
-                   help="json: strict JSON actions (works on small models); tools: native calls")
+    p.add_argument("--action-format", choices=["json", "strict_tools", "tools"], default="json",
+                   help="json: strict JSON actions; strict_tools: native calls held to the "
+                   "schemas; tools: free native calls (default: %(default)s)")
     p.add_argument("--learning-rate", type=float, default=1e-3,
                    help="(default: %(default)s, for the 135M model; less for larger ones)")
+    p.add_argument("--max-concurrency", type=int, default=8,
+                   help="rollouts (and stdio server processes) at once (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("command", nargs="*", help="the command that starts a stdio server (after --)")
     return p
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.scenarios and not args.generator:
         p.error("give --scenarios FILE.jsonl or --generator MODEL")
     for name, least in (("steps", 0), ("groups_per_step", 1), ("rollouts_per_group", 2),
-                        ("eval_rollouts", 1), ("max_turns", 1)):
+                        ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
     return asyncio.run(_run(args))
@@ -102,5 +105,6 @@ async def _run(args: argparse.Namespace) -> int:
         judge_kwargs=judge_kwargs, steps=args.steps, groups_per_step=args.groups_per_step,
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format),
-        train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed)
+        train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
+        max_concurrency=args.max_concurrency)
     return 0

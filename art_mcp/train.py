@@ -223,14 +223,15 @@ async def train_mcp(
     judge: str | None = None, judge_kwargs: dict[str, Any] | None = None, steps: int = 4,
     groups_per_step: int = 4, rollouts_per_group: int = 4, eval_rollouts: int = 2,
     agent: AgentConfig | None = None, train_config: TrainConfig | None = None, seed: int = 0,
-    max_concurrency: int | None = None, print_fn: Callable[[str], None] = print,
+    max_concurrency: int | None = 8, print_fn: Callable[[str], None] = print,
 ) -> McpTrainResult:
     """Train `model` (default: the embedded model as "mcp-agent") on `server`'s tools for
     `steps` GRPO steps and compare held-out results before and after (see module docstring).
 
     Reward: `reward(trajectory, context)` when given (verifiable), else RULER with `judge`
     (a litellm model; "embedded" uses an untrained copy of the model's base on the same
-    backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...)."""
+    backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...).
+    `max_concurrency` caps rollouts (and so server processes) running at once."""
     from art_core import LocalBackend
 
     spec = as_server(server)

@@ -1,0 +1,65 @@
+"""MCP·RL on CPU: teach the embedded SmolLM2-135M to run a stock room through an MCP server.
+
+The server (`mcp_server_inventory.py`, five tools over SQLite) starts once per rollout with a
+fresh database, so every rollout's outcome can be read back and checked: the reward is
+verified (`expected` stock in each scenario), not judged. Each step runs groups of rollouts on
+training scenarios, one GRPO step on a LoRA, and at the end the held-out scenarios are run again:
+
+    python examples/mcp_rl.py --steps 6
+
+The same run from the command line, for any server and scenario file:
+
+    art mcp-train --scenarios examples/data/inventory_scenarios.jsonl \\
+        --reward examples/mcp_server_inventory.py:reward -- python examples/mcp_server_inventory.py
+
+Run it again with the same --path to continue from the last step on the same scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from art_core import TrainableModel, TrainConfig
+from art_mcp import AgentConfig, McpTrainResult, ServerSpec, train_mcp
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from mcp_server_inventory import reward  # noqa: E402  (the verifiable reward, next to the server)
+
+SERVER = ServerSpec(command=[sys.executable, str(HERE / "mcp_server_inventory.py")])
+SCENARIOS = HERE / "data" / "inventory_scenarios.jsonl"
+
+
+async def run(path: str = ".art", steps: int = 6, groups_per_step: int = 4,
+              rollouts_per_group: int = 4, eval_rollouts: int = 4, held_out: int | float = 12,
+              max_turns: int = 4, learning_rate: float = 1e-3,
+              backend: Any = None) -> McpTrainResult:
+    """Train for `steps` steps; `backend` defaults to a LocalBackend on `path`."""
+    return await train_mcp(
+        SERVER, model=TrainableModel(name="inventory-agent", project="mcp"), backend=backend,
+        path=path, scenarios=SCENARIOS, held_out=held_out, reward=reward, steps=steps,
+        groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
+        eval_rollouts=eval_rollouts, agent=AgentConfig(max_turns=max_turns),
+        train_config=TrainConfig(learning_rate=learning_rate))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--path", default=".art")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--rollouts-per-group", type=int, default=4)
+    p.add_argument("--eval-rollouts", type=int, default=4)
+    p.add_argument("--held-out", type=int, default=12, help="held-out scenarios")
+    a = p.parse_args()
+    asyncio.run(run(a.path, a.steps, a.groups_per_step, a.rollouts_per_group, a.eval_rollouts,
+                    a.held_out))
+
+
+if __name__ == "__main__":
+    main()
