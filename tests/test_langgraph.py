@@ -330,3 +330,81 @@ async def test_the_same_graph_trains_for_two_steps(backend, tiny_models):
     old = [t.logprob for t in before.choices[0].logprobs.content]
     new = [t.logprob for t in after.choices[0].logprobs.content]
     assert old != new  # the served weights changed
+
+
+# ---- a tool-calling agent on the embedded model ------------------------------------------------
+
+CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Peru": "Lima"}
+
+
+def tool_agent(llm: Any, parallel: bool = False) -> Any:
+    """A ReAct-style agent: model -> ToolNode -> model. Its first call must use a tool (strict
+    tools, enforced by the gateway), the next may answer."""
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import ToolNode
+
+    @tool
+    def lookup_capital(country: str) -> str:
+        """Look up the capital city of a country."""
+        return CAPITALS.get(country.strip(), f"unknown country: {country}")
+
+    @tool
+    def lookup_population(country: str) -> str:
+        """Look up the population of a country, in millions."""
+        return {"France": "68", "Japan": "124"}.get(country.strip(), "unknown")
+
+    tools = [lookup_capital, lookup_population]
+    first = llm.bind_tools(tools, tool_choice="required", parallel_tool_calls=parallel)
+    then = llm.bind_tools(tools)
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        used = any(isinstance(m, ToolMessage) for m in state["messages"])
+        return {"messages": [(then if used else first).invoke(state["messages"])]}
+
+    def route(state: MessagesState) -> str:
+        last, n_ai = state["messages"][-1], sum(
+            isinstance(m, AIMessage) for m in state["messages"])
+        return "tools" if getattr(last, "tool_calls", None) and n_ai < 3 else END
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_node("tools", ToolNode(tools))
+    g.add_edge(START, "agent")
+    g.add_conditional_edges("agent", route, ["tools", END])
+    g.add_edge("tools", "agent")
+    return g.compile()
+
+
+@pytest.fixture(scope="module")
+async def smol(backend, smollm2_path) -> TrainableModel:
+    model = TrainableModel(name="lg-smol", project="langgraph")
+    await model.register(backend)
+    return model
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("question", "parallel"), [
+    ("What is the capital of Peru?", False),
+    ("What are the capitals of France and of Japan?", True)], ids=["one-call", "parallel"])
+async def test_a_tool_calling_agent_records_calls_results_and_schemas(smol, question, parallel):
+    graph = tool_agent(init_chat_model(smol, max_tokens=160, temperature=0.0), parallel)
+    rec = TrajectoryRecorder(smol)
+    state = await graph.ainvoke(
+        {"messages": [("system", "Use the tools."), ("user", question)]},
+        config={"callbacks": [rec]})
+    traj = await rec.afinish()
+    roles = [m["role"] for m in traj.messages]
+    calls = traj.messages[2]["tool_calls"]
+    assert roles[:3] == ["system", "user", "assistant"]
+    assert len(calls) >= 2 if parallel else len(calls) == 1
+    # every call answered by its own tool message, in the graph's order, then the next turn
+    tool_msgs = traj.messages[3:3 + len(calls)]
+    assert [m["tool_call_id"] for m in tool_msgs] == [c["id"] for c in calls]
+    assert [m["content"] for m in tool_msgs] == [
+        m.content for m in state["messages"] if isinstance(m, ToolMessage)][:len(calls)]
+    assert {t["function"]["name"] for t in traj.tools} == {"lookup_capital", "lookup_population"}
+    assert traj.tools[0]["function"]["parameters"]["properties"]["country"]["type"] == "string"
+    assert check_against_ledger(traj, smol.base_url) == roles.count("assistant") >= 2
+    first, second = traj.turns[0], traj.turns[1]
+    # the next turn's prompt extends the first turn exactly: one training sequence
+    assert second.prompt_token_ids[:len(first.prompt_token_ids)] == first.prompt_token_ids
