@@ -165,19 +165,23 @@ async def run_agent(model: Any, session: RecordingSession, task: str, *,
         traj.tools = [{**t, "function": {**t["function"], "strict": True}} for t in traj.tools]
         request.update(tools=traj.tools, tool_choice="required")
     done = False
-    while not done and m["turns"] < cfg.max_turns:
-        response = await client.chat.completions.create(messages=traj.messages, **request)
-        m["turns"] += 1
-        message = _append(traj, response)
-        if cfg.action_format == "json":
-            calls = _json_action(traj, message)
-        else:
-            calls = message.get("tool_calls") or []
-        if not calls:
-            m["final_answer"] = True
-            break
-        done = await _run_calls(traj, session, calls)
-    m["ran_out_of_turns"] = not done and not m.get("final_answer") and m["turns"] >= cfg.max_turns
+    try:
+        while not done and m["turns"] < cfg.max_turns:
+            response = await client.chat.completions.create(messages=traj.messages, **request)
+            m["turns"] += 1
+            message = _append(traj, response)
+            if cfg.action_format == "json":
+                calls = _json_action(traj, message)
+            else:
+                calls = message.get("tool_calls") or []
+            if not calls:  # a text reply: the final answer (in "json", an unfinished action)
+                m["final_answer"] = cfg.action_format != "json"
+                break
+            done = await _run_calls(traj, session, calls)
+    finally:
+        await client.close()
+    m["ran_out_of_turns"] = (not done and not m.get("final_answer")
+                             and not m.get("invalid_actions") and m["turns"] >= cfg.max_turns)
     return traj
 
 
