@@ -576,6 +576,44 @@ async def test_register_rollout_train_serve_download(served, remote, model, tmp_
     assert no_tmp_left(served, model)
 
 
+
+@pytest.mark.engine
+async def test_an_unchanged_langgraph_graph_trains_through_the_server(served, remote, tiny_models):
+    """Zero-change capture against `art serve`: the recorder reads the ledger over HTTP with
+    the key the model was registered with (no key passed to the recorder)."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from art_core import gather_trajectory_groups
+    from art_langgraph import init_chat_model, record
+    from tests.conftest import tiny_config
+
+    model = TrainableModel(name="srv-lg", project="server", base_model=str(tiny_models["llama"]),
+                           config=tiny_config())
+    await model.register(remote)
+    llm = init_chat_model(model, max_tokens=6)
+
+    async def agent(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_edge(START, "agent")
+    g.add_edge("agent", END)
+    graph = g.compile()
+
+    async def rollout(q: str) -> Trajectory:
+        async with record(reward=lambda s: float(len(str(s["messages"][-1].content)))) as t:
+            await graph.ainvoke({"messages": [("user", q)]})
+        return t
+
+    for step in (1, 2):
+        groups = await gather_trajectory_groups([rollout(q) for _ in range(4)] for q in "ab")
+        assert all(t.turns[0].step == step - 1 for g in groups for t in g)
+        assert (await model.train(groups, TrainConfig(learning_rate=1e-2))).step == step
+    r = await model.openai_client().chat.completions.create(
+        model=model.name, messages=MSG, max_tokens=2)
+    assert r.model == f"{model.name}@2"
+
 BAD_FOR_THE_MODEL = [
     ("token-out-of-vocab", {"groups": [{"trajectories": [
         dict(_trajectory(), turns=[dict(_trajectory()["turns"][0],
