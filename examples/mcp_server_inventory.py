@@ -131,18 +131,26 @@ def build_server(path: Path) -> Any:
 
 
 def verify(scenario: dict[str, Any], path: Path) -> float:
-    """Share of the scenario's expected facts that hold, or 0 when any item that should not
-    change did change (a wrong action is worse than none). 1.0 means solved."""
+    """1.0 when every expected fact holds and nothing else changed (solved). Short of that,
+    partial credit, so a small model's first steps carry signal: per expected fact 1 if it
+    holds, 0.5 if the right field of the right item moved the right way (wrong amount or
+    shelf), else 0, averaged; and 0 outright when an item that should stay changed."""
     expected: dict[str, dict[str, Any]] = scenario.get("expected") or {}
     stock = read_stock(path)
     initial = {n: {"quantity": q, "shelf": s} for n, q, s in STOCK}
     for name, now in stock.items():
         if name not in expected and now != initial.get(name):
             return 0.0
-    facts = [(n, k, v) for n, want in expected.items() for k, v in want.items()]
-    if not facts:
-        return 1.0
-    return sum(stock.get(n, {}).get(k) == v for n, k, v in facts) / len(facts)
+    scores = []
+    for name, want in expected.items():
+        for key, value in want.items():
+            got, was = stock.get(name, {}).get(key), initial.get(name, {}).get(key)
+            if key == "quantity":
+                right_way = got != was and (got - was) * (value - was) > 0
+            else:
+                right_way = got != was
+            scores.append(1.0 if got == value else 0.5 if right_way else 0.0)
+    return sum(scores) / len(scores) if scores else 1.0
 
 
 def reward(trajectory: Any, context: Any) -> float:
