@@ -13,8 +13,8 @@ The pipeline, one function per stage:
    GRPO step (`model.train`).
 4. `evaluate` again and print the before/after table with the run directory.
 
-Everything is kept in `<path>/<project>/models/<name>/mcp/`: scenarios (train/held-out JSONL)
-and `eval.jsonl` (one row per evaluated step). The model's checkpoints carry the step, so a
+Everything is kept in `<path>/<project>/models/<name>/mcp/`: scenarios (train/held-out JSONL),
+`eval.jsonl` (one row per evaluated step) and `eval-<step>.jsonl` (those rollouts' groups). The model's checkpoints carry the step, so a
 second run continues where the first stopped, on the same scenarios.
 """
 
@@ -39,6 +39,7 @@ from art_core import (
     Trajectory,
     TrajectoryGroup,
     gather_trajectory_groups,
+    write_groups_jsonl,
 )
 from art_core.storage import ModelDir, append_jsonl, read_jsonl
 from art_mcp.agent import AgentConfig, run_agent
@@ -148,13 +149,16 @@ class EvalStats:
 async def evaluate(model: Model, server: ServerSpec, scenarios: Sequence[Scenario], step: int, *,
                    rollouts: int = 2, agent: AgentConfig | None = None,
                    reward: Reward | None = None, after_each: Any = None,
-                   max_concurrency: int | None = None) -> EvalStats:
-    """Held-out rollouts at the current step (not trained on); failures are counted, not fatal."""
+                   max_concurrency: int | None = None, save_to: Path | None = None) -> EvalStats:
+    """Held-out rollouts at the current step (not trained on); failures are counted, not fatal.
+    `save_to`: a JSONL file for the groups, to read what the agent did."""
     groups = await gather_trajectory_groups(
         ([rollout(model, server, s, agent=agent, reward=reward) for _ in range(rollouts)]
          for s in scenarios),
         max_exceptions=float("inf"), after_each=after_each, max_concurrency=max_concurrency,
         description=f"eval step {step}")
+    if save_to is not None:
+        write_groups_jsonl(groups, save_to)
     return EvalStats.from_groups(step, groups)
 
 
@@ -260,7 +264,8 @@ async def train_mcp(
         if start in evals:
             before = _stats(evals[start])
         else:
-            before = await evaluate(model, spec, held, start, **eval_kw)
+            before = await evaluate(model, spec, held, start, **eval_kw,
+                                    save_to=run_dir / f"eval-{start:04d}.jsonl")
             append_jsonl(run_dir / "eval.jsonl", _row(before))
         print_fn(f"step {start}: held-out completion {before.completed:.2f}, "
                  f"reward {before.reward:.3f}")
@@ -281,8 +286,8 @@ async def train_mcp(
             print_fn(f"step {result.step}: train reward {row['train_reward']:.3f}  "
                      f"loss {row['loss']:+.4f}  {row['seconds']} s train")
         end = await model.get_step()
-        after = _stats(evals[end]) if end in evals else await evaluate(model, spec, held, end,
-                                                                       **eval_kw)
+        after = _stats(evals[end]) if end in evals else await evaluate(
+            model, spec, held, end, **eval_kw, save_to=run_dir / f"eval-{end:04d}.jsonl")
         if end not in evals:
             append_jsonl(run_dir / "eval.jsonl", _row(after))
         table = format_table(before, after, verifiable=reward is not None)
