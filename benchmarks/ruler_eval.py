@@ -148,7 +148,7 @@ def make_oracle(path: Path = DATA) -> Callable[[dict[str, Any]], Reply]:
             p = robust.plan(mode, unique, ruler.DEFAULT_RUBRIC)
             for k, request in enumerate(p.requests):
                 value = (quality[p.pairs[k][0]], quality[p.pairs[k][1]]) if p.pairs else quality[k]
-                assert prompts.setdefault(request[0]["content"], value) == value, "ambiguous"
+                assert prompts.setdefault(request[-1]["content"], value) == value, "ambiguous"
 
     def respond(body: dict[str, Any]) -> Reply:
         content = body["messages"][-1]["content"]
@@ -202,8 +202,9 @@ async def evaluate(
         started = time.perf_counter()
         outcomes = await asyncio.gather(*(one(g) for g in groups))
         seconds = time.perf_counter() - started
-        rhos, taus, failures, by_kind = [], [], [], {}
+        rhos, taus, failures, by_kind, per_group = [], [], [], {}, []
         for g, outcome in zip(groups, outcomes, strict=True):
+            per_group.append({"id": g["id"], "quality": g["quality"], "scores": outcome})
             failed = isinstance(outcome, str)
             if failed:
                 failures.append(f"{mode} {g['id']}: {outcome}")
@@ -220,6 +221,7 @@ async def evaluate(
             "failed": len(failures),
             "failures": failures,
             "seconds": seconds,
+            "per_group": per_group,
         }
     return results
 
@@ -253,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="groups judged at once")
     parser.add_argument("--seed", type=int, default=0, help="seed of the answer shuffling")
     parser.add_argument("--no-cache", action="store_true", help="always call the judge")
+    parser.add_argument("--out", type=Path, help="write every group's scores here (JSON)")
     parser.add_argument("--dry-run", action="store_true",
                         help="judge with a built-in oracle on a local scripted server")
     parser.add_argument("--local", action="store_true",
@@ -289,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for failure in r["failures"]:
             print(f"FAILED {failure[:300]}")
     print(report(args.judge, results))
+    if args.out:
+        args.out.write_text(json.dumps({"judge": args.judge, "results": results}, indent=1))
     return 0 if all(r["failed"] < r["groups"] for r in results.values()) else 1
 
 

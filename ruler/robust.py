@@ -16,6 +16,10 @@ Every request asks for one token with `logprobs=True, top_logprobs=20` (OpenAI's
 our gateway support it). A judge that returns no logprobs is an error (`RulerError` saying so),
 never a silent neutral score. The prompts show the user's request (not the system prompt) and a
 plain-text transcript of what each trajectory did (tool calls and results included).
+
+Measured with SmolLM2-135M on `benchmarks/ruler_eval.py` (44 groups): worked examples before the
+prompt (few-shot) made `yesno` much worse (mean Spearman 0.18 against 0.50 without), so the
+prompts are zero-shot.
 """
 
 from __future__ import annotations
@@ -110,6 +114,14 @@ def _criteria(rubric: str) -> str:
     return "" if rubric.strip() == DEFAULT_RUBRIC.strip() else f"Criteria: {rubric.strip()}\n"
 
 
+def _text_of(mode: str, task: str, answer: str | tuple[str, str], criteria: str = "") -> str:
+    head = f"{criteria}{_field('Question', task)}\n"
+    if isinstance(answer, tuple):
+        return (f"{head}\n{_field('Answer A', answer[0])}\n\n{_field('Answer B', answer[1])}\n\n"
+                f"{QUESTIONS[mode]}")
+    return f"{head}{_field('Answer', answer)}\n{QUESTIONS[mode]}"
+
+
 @dataclass
 class Plan:
     """The requests of one group in a logprob mode; `pairs[k]` = (A, B) indices of request k."""
@@ -124,18 +136,13 @@ def plan(mode: str, message_lists: Sequence[Sequence[Message]], rubric: str) -> 
     shared = common_prefix_length(message_lists)
     task = render_task(message_lists[0][:shared])
     answers = [render_answer(m[shared:]) for m in message_lists]
-    head = f"{_criteria(rubric)}{_field('Question', task)}\n"
-    question = QUESTIONS[mode]
+    criteria = _criteria(rubric)
     if mode == "pairwise":
         pairs = [(i, j) for i in range(len(answers)) for j in range(len(answers)) if i != j]
-        texts = [
-            f"{head}\n{_field('Answer A', answers[i])}\n\n{_field('Answer B', answers[j])}\n\n"
-            f"{question}"
-            for i, j in pairs
-        ]
+        texts = [_text_of(mode, task, (answers[i], answers[j]), criteria) for i, j in pairs]
     else:
         pairs = []
-        texts = [f"{head}{_field('Answer', a)}\n{question}" for a in answers]
+        texts = [_text_of(mode, task, a, criteria) for a in answers]
     return Plan(mode, [[{"role": "user", "content": t}] for t in texts], pairs)
 
 
@@ -147,7 +154,12 @@ async def _candidates(
     judge: str, mode: str, messages: list[Message], max_retries: int, request: dict[str, Any],
     stats: CallStats,
 ) -> list[tuple[str, float]]:
-    """The top candidates for the judge's one token; timeouts retried, everything else fatal."""
+    """The top candidates for the judge's one token.
+
+    Timeouts, dropped connections and 5xx answers are retried (at most `max_retries` times);
+    a rejected request or a response without logprobs is fatal at once: asking again would not
+    change it.
+    """
     litellm = import_litellm()
     import openai  # litellm's exceptions subclass openai's
 
@@ -156,8 +168,10 @@ async def _candidates(
         started = time.perf_counter()
         try:
             response = await litellm.acompletion(model=judge, messages=messages, **request)
-        except litellm.Timeout as e:
-            problems.append(f"the request timed out ({e})")
+        except (litellm.Timeout, litellm.APIConnectionError, litellm.ServiceUnavailableError,
+                litellm.InternalServerError) as e:
+            # transient: a busy local server drops connections or times out; ask again
+            problems.append(f"{type(e).__name__}: {e}")
             if len(problems) > max_retries:
                 raise _Failed(
                     f"gave no answer in {len(problems)} attempts: {'; '.join(problems)}"

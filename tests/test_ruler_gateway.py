@@ -29,7 +29,7 @@ async def test_smollm2_judge_scores_a_group_or_fails_validation(judge_model, tmp
         Trajectory(messages=[*QUESTION, {"role": "assistant", "content": a}]) for a in ANSWERS])
     kwargs = dict(judge=f"openai/{judge_model.name}", api_base=judge_model.base_url,
                   api_key="none", max_retries=2, cache_dir=tmp_path, timeout=120,
-                  temperature=0.0, max_tokens=400)
+                  temperature=0.0, max_tokens=400, mode="listwise")
     try:
         scored = await asyncio.wait_for(ruler.score_group(group, **kwargs), 600)
     except ruler.RulerError as e:  # a 135M judge may never produce a valid answer: bounded
@@ -45,3 +45,21 @@ async def test_smollm2_judge_scores_a_group_or_fails_validation(judge_model, tmp
     again = await ruler.score_group(group, **kwargs)
     assert [t.reward for t in again] == [t.reward for t in scored]
     assert all(t.metrics["ruler_cache_hit"] == 1 for t in again)
+
+
+@pytest.mark.parametrize("mode", ["auto", "pairwise"])
+async def test_smollm2_judge_logprob_modes_always_answer(judge_model, tmp_path, mode):
+    """Through the real gateway the judge's top logprobs arrive, so every answer is usable."""
+    group = TrajectoryGroup(trajectories=[
+        Trajectory(messages=[*QUESTION, {"role": "assistant", "content": a}]) for a in ANSWERS])
+    scored = await asyncio.wait_for(ruler.score_group(
+        group, f"openai/{judge_model.name}", mode=mode, api_base=judge_model.base_url,
+        api_key="none", cache_dir=tmp_path, timeout=120), 600)
+    rewards = [t.reward for t in scored]
+    print(f"{mode}: scores {[round(r, 3) for r in rewards]}")
+    expected_mode = ruler.LOCAL_DEFAULT_MODE if mode == "auto" else mode  # a loopback judge
+    assert all(f"[{expected_mode}]" in t.logs[-1] for t in scored)
+    assert all(0.0 <= r <= 1.0 for r in rewards) and len(set(rewards)) > 1
+    metrics = scored.trajectories[0].metrics
+    assert metrics["ruler_rating_mass"] > 0.5  # the judge does answer with the rating tokens
+    assert metrics["ruler_judge_calls"] == {"pairwise": 12}.get(expected_mode, 4)

@@ -89,13 +89,14 @@ async def test_logprob_mode_exact_scores(mode: str) -> None:
     for request in server.requests:  # one token and its top candidates; the user's max_tokens
         assert request["max_tokens"] == 1 and request["logprobs"] is True  # is overridden
         assert request["top_logprobs"] == 20 and request["temperature"] == 0.0
-        assert "response_format" not in request and len(request["messages"]) == 1
+        assert "response_format" not in request
+        assert [m["role"] for m in request["messages"]] == ["user"]
 
 
 async def test_yesno_prompt_wording() -> None:
     with ScriptedJudge(judge_responder) as server:
         await ruler.score(LISTS, mode="yesno", **judge_args(server))
-    prompts = sorted(r["messages"][0]["content"] for r in server.requests)
+    prompts = sorted(r["messages"][-1]["content"] for r in server.requests)
     assert prompts[0] == (
         "Question: What is the capital of France?\nAnswer: I like turtles.\n"
         "Is this answer correct? Reply Yes or No."
@@ -114,7 +115,7 @@ async def test_tool_trajectory_is_rendered_as_a_transcript() -> None:
     ]
     with ScriptedJudge(lambda body: Reply(top_logprobs={"Yes": 0.0})) as server:
         await ruler.score(lists, mode="yesno", **judge_args(server))
-    prompts = [r["messages"][0]["content"] for r in server.requests]
+    prompts = [r["messages"][-1]["content"] for r in server.requests]
     assert (
         "Question: Weather in Oslo?\nAnswer:\n"
         'Assistant calls get_weather({"city": "Oslo"})\nTool result: -3 C, snow\n'
@@ -159,13 +160,29 @@ async def test_no_rating_token_is_an_error(
     assert problem in str(info.value)
 
 
-async def test_timeout_is_retried() -> None:
-    slow = Reply(top_logprobs=_log(YESNO["Paris."]), delay=2.0)
-    replies = iter([slow, *[Reply(top_logprobs=_log(YESNO["Paris."]))] * 3])
+@pytest.mark.parametrize(
+    "first, timeout",
+    [
+        (Reply(top_logprobs=_log(YESNO["Paris."]), delay=2.0), 0.5),
+        (Reply(status=500, error="engine busy"), 10),
+        (Reply(status=503, error="unavailable"), 10),
+    ],
+    ids=["timeout", "HTTP 500", "HTTP 503"],
+)
+async def test_transient_failure_is_retried(first: Reply, timeout: float) -> None:
+    replies = iter([first, *[Reply(top_logprobs=_log(YESNO["Paris."]))] * 3])
     with ScriptedJudge(lambda body: next(replies)) as server:
-        result = await ruler.score(LISTS, mode="yesno", **judge_args(server, timeout=0.5))
+        result = await ruler.score(LISTS, mode="yesno", **judge_args(server, timeout=timeout))
     assert result.scores == pytest.approx([0.75] * 3)
     assert result.metrics["ruler_retries"] == 1 and result.metrics["ruler_judge_calls"] == 4
+
+
+async def test_transient_failure_every_time_is_an_error() -> None:
+    with ScriptedJudge(lambda body: Reply(status=500)) as server, pytest.raises(
+        ruler.RulerError, match="gave no answer in 3 attempts"
+    ):
+        await ruler.score(LISTS, mode="digits", max_retries=2, **judge_args(server))
+    assert len(server.requests) == 3 * 3
 
 
 async def test_duplicates_judged_once_and_cache(tmp_path: Path) -> None:
