@@ -23,7 +23,7 @@ import argparse
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 STOCK = [  # item, quantity, shelf
     ("pen", 40, "A1"), ("notebook", 12, "A2"), ("stapler", 5, "B1"), ("tape", 0, "B2"),
@@ -61,6 +61,11 @@ def read_stock(path: Path) -> dict[str, dict[str, Any]]:
     return {n: {"quantity": q, "shelf": s} for n, q, s in rows}
 
 
+Item = Literal["pen", "notebook", "stapler", "tape", "marker", "folder", "scissors", "glue"]
+"""The items, as an enum in the tools' schemas: a client (or a small model held to the schema)
+can only name one that exists."""
+
+
 def build_server(path: Path) -> Any:
     """The MCP server over the database at `path`."""
     from mcp.server.mcpserver import MCPServer
@@ -95,13 +100,13 @@ def build_server(path: Path) -> Any:
         return "\n".join(f"{n}: {q} on shelf {s}" for n, q, s in rows)
 
     @server.tool()
-    async def look_up(item: str) -> str:
+    async def look_up(item: Item) -> str:
         """Show how many of an item are in stock and on which shelf."""
         name, quantity, shelf = _row(item)
         return f"{name}: {quantity} on shelf {shelf}"
 
     @server.tool()
-    async def add_stock(item: str, quantity: int) -> str:
+    async def add_stock(item: Item, quantity: int) -> str:
         """Add units of an item to the stock (a delivery arrived)."""
         name, have, _ = _row(item)
         conn.execute("UPDATE items SET quantity = ? WHERE name = ?",
@@ -109,7 +114,7 @@ def build_server(path: Path) -> Any:
         return f"{name}: {have} -> {have + quantity}"
 
     @server.tool()
-    async def remove_stock(item: str, quantity: int) -> str:
+    async def remove_stock(item: Item, quantity: int) -> str:
         """Take units of an item out of the stock (sold or used)."""
         name, have, _ = _row(item)
         if _positive(quantity) > have:
@@ -118,7 +123,7 @@ def build_server(path: Path) -> Any:
         return f"{name}: {have} -> {have - quantity}"
 
     @server.tool()
-    async def move_item(item: str, shelf: str) -> str:
+    async def move_item(item: Item, shelf: str) -> str:
         """Move an item to another shelf."""
         name, _, old = _row(item)
         new = shelf.strip().upper()

@@ -70,7 +70,7 @@ async def test_stdio_records_tools_calls_results_and_errors_in_order(tmp_path: P
     async with connect(INVENTORY, workdir=tmp_path) as session:
         with recording(traj):
             await session.list_tools()
-            steps = [("look_up", {"item": "pen"}, "c1"), ("add_stock", {"item": "pens", "quantity": 5}, "c2"),
+            steps = [("look_up", {"item": "pen"}, "c1"), ("add_stock", {"item": "pen", "quantity": 5}, "c2"),
                      ("look_up", {"item": "unicorn"}, "c3"), ("remove_stock", {"item": "tape", "quantity": 1}, "c4")]
             for name, args, cid in steps:
                 traj.messages.append(call(name, args, cid))
@@ -83,7 +83,7 @@ async def test_stdio_records_tools_calls_results_and_errors_in_order(tmp_path: P
     assert [m["tool_call_id"] for m in tool_msgs] == ["c1", "c2", "c3", "c4"]
     assert tool_msgs[0]["content"] == "pen: 40 on shelf A1"
     assert tool_msgs[1]["content"] == "pen: 40 -> 45"
-    assert "no item named 'unicorn'" in tool_msgs[2]["content"]
+    assert "Input should be 'pen'" in tool_msgs[2]["content"]  # the schema's enum, enforced
     assert "only 0 tape in stock" in tool_msgs[3]["content"]
     assert traj.metrics["tool_calls"] == 4 and traj.metrics["tool_errors"] == 2
     assert len(traj.messages) == 9 and outside.content[0].text == "pen: 45 on shelf A1"
