@@ -144,9 +144,10 @@ async def rollout(model: art.TrainableModel, seed: int, cfg: Config) -> art.Traj
         if not game.move(direction):
             traj.metrics["invalid_move"] = True
             break
-        result = f"The board:\n{game.render()}" + ("\nNo move left." if game.stuck() else "")
+        stuck = game.stuck()
+        result = f"The board:\n{game.render()}" + ("\nNo move left." if stuck else "")
         traj.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-        if game.stuck():
+        if stuck:
             break
     traj.reward = reward(game)
     traj.metrics.update(max_tile=game.max_tile, score=game.score, moves=moves)
