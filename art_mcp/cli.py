@@ -58,9 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rollouts", type=int, default=2,
                    help="rollouts per held-out scenario (default: %(default)s)")
     p.add_argument("--max-turns", type=int, default=6, help="(default: %(default)s)")
-    p.add_argument("--action-format", choices=["json", "strict_tools", "tools"], default="json",
-                   help="json: strict JSON actions; strict_tools: native calls held to the "
-                   "schemas; tools: free native calls (default: %(default)s)")
+    p.add_argument("--action-format", choices=["strict_tools", "json", "tools"],
+                   default="strict_tools",
+                   help="strict_tools: native calls held to the schemas (our gateway enforces "
+                   "them); json: a strict JSON action per turn; tools: free native calls "
+                   "(default: %(default)s)")
     p.add_argument("--learning-rate", type=float, default=1e-3,
                    help="(default: %(default)s, for the 135M model; less for larger ones)")
     p.add_argument("--max-concurrency", type=int, default=8,

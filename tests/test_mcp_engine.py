@@ -30,7 +30,7 @@ async def agent_model(backend, smollm2_path) -> TrainableModel:
 async def test_json_actions_become_tool_calls_with_the_sampled_tokens(agent_model, tmp_path):
     async with connect(INVENTORY, workdir=tmp_path) as session:
         traj = await run_agent(agent_model, session, "Add 5 pens to the stock.",
-                               config=AgentConfig(max_turns=3))
+                               config=AgentConfig(max_turns=3, action_format="json"))
     assert traj.trainable and len(traj.tools) == 6
     assistant = [i for i, m in enumerate(traj.messages) if m["role"] == "assistant"]
     assert [t.message_index for t in traj.turns] == assistant  # every turn carries its tokens
@@ -47,6 +47,20 @@ async def test_json_actions_become_tool_calls_with_the_sampled_tokens(agent_mode
     turn = traj.turns[0]
     assert len(turn.completion_token_ids) == len(turn.logprobs) > 0
     assert turn.step == 0
+
+
+async def test_strict_tool_calls_are_forced_and_the_next_prompt_extends_them(agent_model,
+                                                                               tmp_path):
+    async with connect(INVENTORY, workdir=tmp_path) as session:
+        traj = await run_agent(agent_model, session, "Move the glue to shelf A3.",
+                               config=AgentConfig(max_turns=2))  # default: strict_tools
+    assert traj.trainable and all(t["function"]["strict"] for t in traj.tools)
+    for turn in traj.turns:
+        assert traj.messages[turn.message_index]["tool_calls"]  # a call is required
+    if len(traj.turns) == 2:  # the template renders the call as sampled: one training sequence
+        a, b = traj.turns
+        sampled = a.prompt_token_ids + a.completion_token_ids
+        assert b.prompt_token_ids[:len(sampled)] == sampled
 
 
 async def test_generate_scenarios_with_the_gateway_as_generator(agent_model):

@@ -156,7 +156,8 @@ async def test_agent_loop_runs_calls_until_complete_task(tmp_path: Path) -> None
     with ScriptedJudge(script) as llm:
         model = Model(name="scripted", base_url=llm.api_base)
         async with connect(INVENTORY, workdir=tmp_path) as session:
-            traj = await run_agent(model, session, "We sold 2 staplers.")
+            traj = await run_agent(model, session, "We sold 2 staplers.",
+                                   config=AgentConfig(action_format="json"))
         request = llm.requests[0]
     assert request["response_format"]["json_schema"]["strict"] is True
     names = [o["properties"]["name"]["enum"][0]
@@ -179,7 +180,7 @@ async def test_agent_loop_stops_at_the_turn_limit(tmp_path: Path) -> None:
     with ScriptedJudge(actions(*[{"name": "list_items", "arguments": {}}] * 3)) as llm:
         async with connect(INVENTORY, workdir=tmp_path) as session:
             traj = await run_agent(Model(name="m", base_url=llm.api_base), session, "look",
-                                   config=AgentConfig(max_turns=3))
+                                   config=AgentConfig(max_turns=3, action_format="json"))
     assert traj.metrics["ran_out_of_turns"] is True and traj.metrics["completed"] is False
     assert traj.metrics["turns"] == 3 and traj.metrics["tool_calls"] == 3
 
@@ -195,7 +196,7 @@ async def test_crash_fails_its_rollout_hang_is_cut_and_the_gather_goes_on(
 
     with ScriptedJudge(reply) as llm:
         model = Model(name="m", base_url=llm.api_base)
-        cfg = AgentConfig(tool_timeout_s=1.0)
+        cfg = AgentConfig(tool_timeout_s=1.0, action_format="json")
 
         async def one(task: str) -> Trajectory:
             async with connect(test_server) as session:
