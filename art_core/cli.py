@@ -83,9 +83,19 @@ def _run(result: object) -> None:
 @app.command(add_help_option=False,  # --help goes to the demo's own parser, with its options
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def demo(ctx: typer.Context) -> None:
-    """Train the embedded small model on a toy task, end to end (options: art demo --help)."""
-    module = _import_or_exit("art_core.demo", extra="backend")
-    _run(module.main(list(ctx.args)))  # type: ignore[attr-defined]
+    """Train a tool-using LangGraph agent on the embedded model, end to end, on CPU
+    (`--task brevity`: the faster brevity demo; options: art demo --help)."""
+    argv, task = list(ctx.args), "agent"
+    if "--task" in argv:
+        i = argv.index("--task")
+        task = argv[i + 1] if i + 1 < len(argv) else ""
+        del argv[i:i + 2]
+    demos = {"agent": ("art_langgraph.demo", "langgraph"), "brevity": ("art_core.demo", "backend")}
+    if task not in demos:
+        typer.echo(f"error: --task must be one of {', '.join(demos)}; got {task!r}", err=True)
+        raise typer.Exit(code=2)
+    module = _import_or_exit(*demos[task])
+    _run(module.main(argv))  # type: ignore[attr-defined]
 
 
 @app.command("mcp-train", add_help_option=False,  # --help: the command's own parser

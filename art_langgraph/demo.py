@@ -1,0 +1,290 @@
+"""`art demo`: a tool-using LangGraph agent gets more answers right, trained on a laptop CPU.
+
+The task: answer questions such as "What is the currency of Velmoria?" about made-up countries
+(so the model cannot know the answers) with a `lookup_country` tool that returns the country's
+record. The agent is an ordinary LangGraph graph, model -> ToolNode -> model: its first turn must
+call the tool (a strict call: the gateway enforces the call's form, not its arguments), its next
+turn answers. It is made trainable by one callback, `TrajectoryRecorder`.
+
+    reward  = 0.8 x correct + 0.2 x looked up the right country
+    correct = the answer names the value asked for and no other value of the record (echoing
+              the whole record is not an answer)
+
+The base model (SmolLM2-135M) often looks up a wrong name, echoes the record or rambles. Each
+step: `groups_per_step` training questions x `rollouts_per_group` episodes, GRPO on a LoRA,
+hot-swap into vLLM. Before and after, the agent answers the held-out questions (countries never
+seen in training) with the same sampling settings, and the demo prints the success rate with a
+95% interval, one held-out episode from each, and writes a plot. A second run continues from the
+last step (`--fresh` starts over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, gather_trajectories
+from art_core import gather_trajectory_groups as gather_groups
+from art_core.storage import append_jsonl, read_jsonl
+from art_langgraph.chat_model import init_chat_model
+from art_langgraph.recorder import TrajectoryRecorder
+
+FIELDS = ("capital", "currency", "population")
+SYSTEM = ("You answer questions about countries. First call lookup_country with the country's "
+          "name. Then answer in one short sentence with the value asked for, for example: "
+          "The capital of Zarnia is Velmor.")
+TEMPERATURE = 0.7  # the same for training rollouts and both evaluations
+MAX_TOKENS = 64
+
+
+def make_world(n: int = 24, seed: int = 7) -> dict[str, dict[str, str]]:
+    """`n` made-up countries with a capital, a currency and a population (deterministic)."""
+    rng = random.Random(seed)
+    syll = ["ar", "bel", "cor", "dan", "el", "fen", "gor", "hal", "is", "jun", "kel", "lor",
+            "mar", "nor", "ost", "pel", "quin", "ros", "sal", "tor", "ul", "var", "wen", "zan"]
+
+    def word(k: int) -> str:
+        return "".join(rng.choice(syll) for _ in range(k)).capitalize()
+
+    world: dict[str, dict[str, str]] = {}
+    while len(world) < n:
+        name = word(2) + rng.choice(["ia", "land", "ova", "istan", "mark"])
+        values = {"capital": word(2), "currency": word(1).lower() + rng.choice(["o", "en", "a"]),
+                  "population": f"{rng.randint(2, 90)} million"}
+        if name not in world and len({*values.values()}) == 3:
+            world[name] = values
+    return world
+
+
+WORLD = make_world()
+COUNTRIES = list(WORLD)
+TRAIN_COUNTRIES, HELD_OUT_COUNTRIES = COUNTRIES[:16], COUNTRIES[16:]
+
+
+@dataclass(frozen=True)
+class Question:
+    country: str
+    field: str
+
+    @property
+    def text(self) -> str:
+        return f"What is the {self.field} of {self.country}?"
+
+    @property
+    def answer(self) -> str:
+        return WORLD[self.country][self.field]
+
+
+def questions(countries: list[str]) -> list[Question]:
+    return [Question(c, f) for c in countries for f in FIELDS]
+
+
+@tool
+def lookup_country(country: str) -> str:
+    """Look up a country's record: its capital, currency and population."""
+    row = WORLD.get(country.strip())
+    if row is None:
+        return f"No country named {country!r}."
+    return f"{country}: " + "; ".join(f"{k} {v}" for k, v in row.items())
+
+
+def build_agent(llm: Any) -> Any:
+    """model -> tools -> model, at most three model turns."""
+    must_call = llm.bind_tools([lookup_country], tool_choice="required")
+    may_call = llm.bind_tools([lookup_country])
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        looked_up = any(isinstance(m, ToolMessage) for m in state["messages"])
+        return {"messages": [(may_call if looked_up else must_call).invoke(state["messages"])]}
+
+    def next_step(state: MessagesState) -> str:
+        turns = sum(isinstance(m, AIMessage) for m in state["messages"])
+        return "tools" if state["messages"][-1].tool_calls and turns < 3 else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([lookup_country]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", next_step, ["tools", END])
+    graph.add_edge("tools", "agent")
+    return graph.compile()
+
+
+def score(messages: list[Any], q: Question) -> dict[str, float]:
+    """The episode's reward and its parts, from the graph's final messages."""
+    calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+    looked_up = any((c["args"] or {}).get("country") == q.country for c in calls)
+    last = messages[-1]
+    answer = str(last.content).lower() if isinstance(last, AIMessage) and not last.tool_calls \
+        else ""
+    others = [v for f, v in WORLD[q.country].items() if f != q.field]
+    correct = q.answer.lower() in answer and not any(v.lower() in answer for v in others)
+    return {"reward": 0.8 * correct + 0.2 * looked_up, "success": float(correct),
+            "looked_up": float(looked_up), "tool_calls": float(len(calls))}
+
+
+async def episode(graph: Any, q: Question) -> Trajectory:
+    parts: dict[str, float] = {}
+
+    def reward(state: dict[str, Any]) -> float:
+        parts.update(score(state["messages"], q))
+        return parts["reward"]
+
+    recorder = TrajectoryRecorder(reward=reward)  # the one line that makes the agent trainable
+    await graph.ainvoke({"messages": [("system", SYSTEM), ("user", q.text)]},
+                        config={"callbacks": [recorder]})
+    traj = await recorder.afinish()
+    traj.metrics.update(success=bool(parts["success"]), tool_calls=int(parts["tool_calls"]))
+    traj.metadata.update(country=q.country, field=q.field)
+    return traj
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate k/n (sound for small n and rates near 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+async def evaluate(graph: Any, qs: list[Question], n: int, label: str) -> dict[str, Any]:
+    """Episodes on held-out questions (never trained on): success, reward, tool calls."""
+    trajs = await gather_trajectories([episode(graph, q) for q in qs for _ in range(n)],
+                                      description=label)
+    k = sum(bool(t.metrics["success"]) for t in trajs)
+    return {"successes": k, "episodes": len(trajs),
+            "reward": sum(t.reward for t in trajs) / len(trajs),
+            "tool_calls": sum(int(t.metrics["tool_calls"]) for t in trajs) / len(trajs),
+            "example": trajs[0].model_dump(include={"messages", "reward"})}
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = [f"{'':10} {'success':>14} {'95% interval':>16} {'reward':>8} {'tool calls':>11}"]
+    for label, r in rows:
+        k, n = r["successes"], r["episodes"]
+        lo, hi = wilson(k, n)
+        lines.append(f"{label:10} {k:>4}/{n:<3} {100 * k / n:5.1f}% "
+                     f"{f'[{100 * lo:.0f}%, {100 * hi:.0f}%]':>16} {r['reward']:8.2f} "
+                     f"{r['tool_calls']:11.2f}")
+    return "\n".join(lines)
+
+
+def show_episode(label: str, example: dict[str, Any]) -> str:
+    out = [f"--- {label} (reward {example['reward']:.2f})"]
+    for m in example["messages"][1:]:
+        text = (m.get("content") or "").strip().replace("\n", " ")
+        calls = " ".join(f"{c['function']['name']}({c['function']['arguments']})"
+                         for c in m.get("tool_calls") or [])
+        out.append(f"  {m['role']:>9}: {(text[:150] + ' ' + calls).strip()}")
+    return "\n".join(out)
+
+
+async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 6,
+              rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
+              fresh: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Evaluate, train `steps` more steps, evaluate again; returns the two evaluations."""
+    held_out = questions(HELD_OUT_COUNTRIES)
+    async with LocalBackend(path) as backend:
+        model = TrainableModel(name="agent", project="demo")
+        model_dir = Path(path) / model.project / "models" / model.name
+        if fresh and model_dir.exists():
+            shutil.rmtree(model_dir)
+            print(f"--fresh: removed {model_dir}")
+        t0 = time.perf_counter()
+        await model.register(backend)
+        print(f"registered {model.name} on {model.base_model} "
+              f"({time.perf_counter() - t0:.0f} s: engine and gateway up)")
+        graph = build_agent(init_chat_model(model, max_tokens=MAX_TOKENS,
+                                            temperature=TEMPERATURE))
+        evals_path = model_dir / "eval.jsonl"
+        evals = {int(r["step"]): r for r in read_jsonl(evals_path) if "step" in r}
+        if 0 not in evals:  # the base model, once per run directory
+            evals[0] = {"step": 0, **await evaluate(graph, held_out, eval_samples,
+                                                     "eval step 0 (held-out)")}
+            append_jsonl(evals_path, evals[0])
+        start = await model.get_step()
+        print(f"\nheld-out: {len(HELD_OUT_COUNTRIES)} countries never trained on, "
+              f"{len(held_out)} questions x {eval_samples} episodes; step {start} -> "
+              f"{start + steps}, {groups_per_step} x {rollouts_per_group} episodes a step")
+        rng = random.Random(f"{seed}-{start}")  # a resumed run draws other questions
+        config = TrainConfig(learning_rate=learning_rate)
+        for _ in range(steps):
+            batch = rng.sample(questions(TRAIN_COUNTRIES), groups_per_step)
+            groups = await gather_groups(
+                ([episode(graph, q) for _ in range(rollouts_per_group)] for q in batch),
+                description=f"step {await model.get_step() + 1} rollouts")
+            result = await model.train(groups, config)
+            m = result.metrics
+            won = [t.metrics["success"] for g in groups for t in g]
+            print(f"step {result.step:>3}  train reward {m['reward_mean']:.2f}  success "
+                  f"{sum(won)}/{len(won)}  loss {m['loss']:+.4f}  {m['seconds']:.1f} s train")
+        last = await model.get_step()
+        if last not in evals:
+            evals[last] = {"step": last, **await evaluate(graph, held_out, eval_samples,
+                                                           f"eval step {last} (held-out)")}
+            append_jsonl(evals_path, evals[last])
+        print()
+        print(table([("step 0", evals[0]), (f"step {last}", evals[last])]))
+        print()
+        print(show_episode("step 0, held-out episode", evals[0]["example"]))
+        print(show_episode(f"step {last}, held-out episode", evals[last]["example"]))
+        _plot(model_dir, evals)
+        print(f"checkpoints in {model_dir / 'checkpoints'}")
+    return {"before": evals[0], "after": evals[last]}
+
+
+def _plot(model_dir: Path, evals: dict[int, dict[str, Any]]) -> None:
+    from art_core.plot import PlotError, plot_curves
+
+    history = [r for r in read_jsonl(model_dir / "history.jsonl") if "reward_mean" in r]
+    curves = {
+        "held-out success rate": {"agent": sorted(
+            (s, r["successes"] / r["episodes"]) for s, r in evals.items())},
+        "train reward": {"agent": [(int(r["step"]), float(r["reward_mean"])) for r in history]},
+    }
+    try:
+        out = plot_curves(curves, model_dir / "reward.png",
+                          title="art demo: a LangGraph agent on SmolLM2-135M learns to use a tool")
+        print(f"plot: {out}")
+    except PlotError as e:
+        print(f"no plot: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="art demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--path", default=".art", help="run directory (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="steps to add (default: %(default)s)")
+    p.add_argument("--groups-per-step", type=int, default=6,
+                   help="training questions per step (default: %(default)s)")
+    p.add_argument("--rollouts-per-group", type=int, default=4,
+                   help="episodes per question (default: %(default)s)")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="high for a 135M model (default: %(default)s)")
+    p.add_argument("--eval-samples", type=int, default=2,
+                   help="episodes per held-out question (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="start over: delete the demo's model")
+    args = p.parse_args(argv if argv is not None else [])
+    for name, least in (("steps", 1), ("groups_per_step", 1), ("rollouts_per_group", 2),
+                        ("eval_samples", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if not 0 < args.learning_rate < 1:
+        p.error("--learning-rate must be between 0 and 1")
+    asyncio.run(run(args.path, args.steps, args.groups_per_step, args.rollouts_per_group,
+                    args.learning_rate, args.eval_samples, args.fresh))
+    return 0
