@@ -68,6 +68,9 @@ class ToolPlan:
                    "at_least_one": False, "stop_after_first": not self.parallel}
         up = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         up["tool_choice"] = "none"
+        # some models mark <tool_call> as a special token; "none" would let vLLM drop it from
+        # the text we parse (its own tool path turns skipping off too)
+        up.setdefault("skip_special_tokens", False)
         up["structured_outputs"] = {
             "structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
         return up

@@ -72,6 +72,7 @@ def test_upstream_grammar_is_the_hermes_form_with_canonical_json():
     up = plan.upstream(body(tools=[LOOKUP], tool_choice="required", stream=True,
                             stream_options={"include_usage": True}))
     assert up["tool_choice"] == "none" and "stream" not in up and "stream_options" not in up
+    assert up["skip_special_tokens"] is False
     assert up["tools"] == [LOOKUP]  # still rendered into the prompt by the chat template
     fmt = json.loads(up["structured_outputs"]["structural_tag"])["format"]
     assert fmt["type"] == "tags_with_separator" and fmt["at_least_one"]
