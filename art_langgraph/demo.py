@@ -105,9 +105,10 @@ def build_agent(llm: Any) -> Any:
     must_call = llm.bind_tools([lookup_country], tool_choice="required")
     may_call = llm.bind_tools([lookup_country])
 
-    def agent(state: MessagesState) -> dict[str, Any]:
+    async def agent(state: MessagesState) -> dict[str, Any]:
         looked_up = any(isinstance(m, ToolMessage) for m in state["messages"])
-        return {"messages": [(may_call if looked_up else must_call).invoke(state["messages"])]}
+        llm = may_call if looked_up else must_call
+        return {"messages": [await llm.ainvoke(state["messages"])]}
 
     def next_step(state: MessagesState) -> str:
         turns = sum(isinstance(m, AIMessage) for m in state["messages"])
@@ -264,6 +265,18 @@ def _plot(model_dir: Path, evals: dict[int, dict[str, Any]]) -> None:
         print(f"no plot: {e}")
 
 
+def _quiet() -> None:
+    """What the user sees is the demo: no library progress bars or deprecation notes."""
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="art demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="episodes per held-out question (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the demo's model")
     args = p.parse_args(argv if argv is not None else [])
+    _quiet()
     for name, least in (("steps", 1), ("groups_per_step", 1), ("rollouts_per_group", 2),
                         ("eval_samples", 1)):
         if getattr(args, name) < least:

@@ -50,9 +50,10 @@ def build_agent(llm: Any) -> Any:
     must_call = llm.bind_tools([lookup_country], tool_choice="required")
     may_call = llm.bind_tools([lookup_country])
 
-    def agent(state: MessagesState) -> dict[str, Any]:
+    async def agent(state: MessagesState) -> dict[str, Any]:
         looked_up = any(isinstance(m, ToolMessage) for m in state["messages"])
-        return {"messages": [(may_call if looked_up else must_call).invoke(state["messages"])]}
+        llm = may_call if looked_up else must_call
+        return {"messages": [await llm.ainvoke(state["messages"])]}
 
     def next_step(state: MessagesState) -> str:
         turns = sum(isinstance(m, AIMessage) for m in state["messages"])

@@ -1,0 +1,69 @@
+"""The agent demo's parts that need no engine: the world, the split, the reward, the interval."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+from art_langgraph.demo import (
+    HELD_OUT_COUNTRIES,
+    TRAIN_COUNTRIES,
+    WORLD,
+    Question,
+    lookup_country,
+    make_world,
+    score,
+    wilson,
+)
+
+Q = Question(TRAIN_COUNTRIES[0], "capital")
+ROW = WORLD[Q.country]
+
+
+def test_world_is_deterministic_and_split_never_overlaps():
+    assert make_world() == WORLD and len(WORLD) == 24
+    assert not set(TRAIN_COUNTRIES) & set(HELD_OUT_COUNTRIES)
+    assert set(TRAIN_COUNTRIES) | set(HELD_OUT_COUNTRIES) == set(WORLD)
+    for row in WORLD.values():  # an answer names one value only
+        assert len({v.lower() for v in row.values()}) == 3
+
+
+def test_lookup_tool_returns_the_record():
+    text = lookup_country.invoke({"country": Q.country})
+    assert all(v in text for v in ROW.values())
+    assert "No country" in lookup_country.invoke({"country": "Atlantis"})
+
+
+def episode(call_arg: str | None, answer: str) -> list:
+    msgs = [HumanMessage(Q.text)]
+    if call_arg is not None:
+        msgs += [AIMessage("", tool_calls=[{"id": "c", "name": "lookup_country",
+                                            "args": {"country": call_arg}}]),
+                 ToolMessage("...", tool_call_id="c")]
+    return [*msgs, AIMessage(answer)]
+
+
+@pytest.mark.parametrize(("call_arg", "answer", "reward", "success"), [
+    (Q.country, f"The capital of {Q.country} is {ROW['capital']}.", 1.0, 1.0),
+    (Q.country, f"The capital is {ROW['capital'].upper()}", 1.0, 1.0),     # case-insensitive
+    ("Atlantis", f"The capital is {ROW['capital']}.", 0.8, 1.0),           # right without lookup
+    (Q.country, "I do not know.", 0.2, 0.0),                               # looked up, no answer
+    (Q.country, f"{Q.country}: " + "; ".join(ROW.values()), 0.2, 0.0),     # echoing the record
+    (None, "No idea.", 0.0, 0.0),
+], ids=["right", "case", "no-lookup", "looked-up-only", "echo", "nothing"])
+def test_reward_checks_the_answer_not_the_form(call_arg, answer, reward, success):
+    parts = score(episode(call_arg, answer), Q)
+    assert parts["reward"] == pytest.approx(reward) and parts["success"] == success
+
+
+def test_an_episode_that_ends_on_a_tool_call_has_no_answer():
+    msgs = episode(Q.country, "")[:-1] + [AIMessage("", tool_calls=[
+        {"id": "d", "name": "lookup_country", "args": {"country": ROW["capital"]}}])]
+    assert score(msgs, Q)["success"] == 0.0
+
+
+@pytest.mark.parametrize(("k", "n", "lo", "hi"), [
+    (0, 48, 0.0, 0.074), (24, 48, 0.364, 0.636), (48, 48, 0.926, 1.0), (3, 10, 0.108, 0.603)])
+def test_wilson_interval(k, n, lo, hi):
+    got = wilson(k, n)
+    assert got == pytest.approx((lo, hi), abs=1e-3)
