@@ -146,7 +146,7 @@ def plan(mode: str, message_lists: Sequence[Sequence[Message]], rubric: str) -> 
     return Plan(mode, [[{"role": "user", "content": t}] for t in texts], pairs)
 
 
-class _Failed(ValueError):
+class JudgeFailed(ValueError):
     """A request gave no rating; `RulerError` is raised by the caller with this message."""
 
 
@@ -173,19 +173,19 @@ async def _candidates(
             # transient: a busy local server drops connections or times out; ask again
             problems.append(f"{type(e).__name__}: {e}")
             if len(problems) > max_retries:
-                raise _Failed(
+                raise JudgeFailed(
                     f"gave no answer in {len(problems)} attempts: {'; '.join(problems)}"
                 ) from e
             stats.retries += 1
             continue
         except (litellm.BadRequestError, litellm.UnprocessableEntityError) as e:
-            raise _Failed(
+            raise JudgeFailed(
                 f"rejected the request (HTTP {getattr(e, 'status_code', 400)}): {e}; mode "
                 f"'{mode}' asks for logprobs with top_logprobs={TOP_LOGPROBS}, a judge that does "
                 "not support them needs mode='listwise'"
             ) from e
         except openai.APIError as e:
-            raise _Failed(f"failed: {type(e).__name__}: {e}") from e
+            raise JudgeFailed(f"failed: {type(e).__name__}: {e}") from e
         finally:
             stats.calls += 1
             stats.latency_s += time.perf_counter() - started
@@ -193,7 +193,7 @@ async def _candidates(
         try:
             return first_token_candidates(response)
         except NoLogprobs as e:
-            raise _Failed(
+            raise JudgeFailed(
                 f"returned no logprobs ({e}): mode '{mode}' reads ratings from token "
                 "probabilities and needs an OpenAI-compatible endpoint that returns "
                 "logprobs/top_logprobs (vLLM, our gateway, OpenAI); use mode='listwise' for "
@@ -206,7 +206,7 @@ async def judge_plan(
 ) -> tuple[list[float], list[str], CallStats, float]:
     """Scores and explanations of the `n` trajectories, the call stats and the mean rating mass.
 
-    Raises `ValueError` subclasses (`_Failed`, `NoRatingToken`) with a message for `RulerError`.
+    Raises `JudgeFailed` with a message for `RulerError` when any request gives no rating.
     """
     request = {k: v for k, v in litellm_kwargs.items() if k not in _DROPPED} | _FIXED
     stats = CallStats()
@@ -224,7 +224,7 @@ async def judge_plan(
     try:
         ratings = [read(candidates) for candidates in outcomes]  # type: ignore[arg-type]
     except NoRatingToken as e:
-        raise _Failed(f"gave no rating in mode '{p.mode}': {e}") from e
+        raise JudgeFailed(f"gave no rating in mode '{p.mode}': {e}") from e
     mass = sum(m for _, m in ratings) / len(ratings)
 
     if p.mode == "yesno":

@@ -247,7 +247,7 @@ async def score(
                 scores, explanations, stats, mass = await robust.judge_plan(
                     plan, judge, len(unique), max_retries, litellm_kwargs
                 )
-            except ValueError as e:
+            except robust.JudgeFailed as e:
                 raise RulerError(f"judge {judge} {e}") from e
             extra["ruler_rating_mass"] = mass
         entry = {"judge": judge, "ids": ids, "scores": scores, "explanations": explanations,
