@@ -83,9 +83,10 @@ def _run(result: object) -> None:
 @app.command(add_help_option=False,  # --help goes to the demo's own parser, with its options
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def demo(ctx: typer.Context) -> None:
-    """Train a tool-using LangGraph agent on the embedded model, end to end, on CPU
-    (`--task brevity`: the faster brevity demo; options: art demo --help)."""
-    argv, task = list(ctx.args), "agent"
+    """Train the embedded small model end to end on CPU: `--task brevity` (the default) or
+    `--task agent`, a tool-using LangGraph agent (not yet measured to learn; options: art demo
+    [--task T] --help)."""
+    argv, task = list(ctx.args), "brevity"
     if "--task" in argv:
         i = argv.index("--task")
         task = argv[i + 1] if i + 1 < len(argv) else ""
