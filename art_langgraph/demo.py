@@ -1,11 +1,11 @@
-"""`art demo`: a tool-using LangGraph agent gets more answers right, trained on a laptop CPU.
+"""`art demo --task agent`: a tool-using LangGraph agent gets more answers right, trained on a laptop CPU.
 
 The task: answer questions such as "What is the currency of Velmoria?" about made-up countries
 (so the model cannot know the answers) with a `lookup_country` tool that returns the country's
 record. The agent is an ordinary LangGraph graph, model -> ToolNode -> model: its first turn must
 call the tool (a forced call: the gateway holds it to the tool's schema; which country it names is
-the model's choice), its next
-turn answers. It is made trainable by one callback, `TrajectoryRecorder`.
+the model's choice), its next turn answers. It is made trainable by one callback,
+`TrajectoryRecorder`.
 
     reward  = 0.8 x correct + 0.2 x looked up the right country
     correct = the answer names the value asked for and no other value of the record (echoing
