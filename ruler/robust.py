@@ -2,8 +2,9 @@
 
 A 135M judge asked for a JSON list of scores writes invalid JSON, scores of 1.5 or the wrong number
 of entries half the time, and ranks at chance when it does answer. Asked one short question at a
-time and read through its token probabilities, the same model ranks answers far better and can
-never give an unusable answer. Three such modes (see `ruler.logprobs` for how a rating is read):
+time and read through its token probabilities, the same model ranks answers better (see
+`benchmarks/ruler_eval.py`) and can never give a malformed answer. Three such modes (see
+`ruler.logprobs` for how a rating is read):
 
 - `yesno`: one request per distinct trajectory, "Question: ... Answer: ... Is this answer
   correct? Reply Yes or No."; score = P(Yes) / (P(Yes) + P(No)).
@@ -19,7 +20,8 @@ plain-text transcript of what each trajectory did (tool calls and results includ
 
 Measured with SmolLM2-135M on `benchmarks/ruler_eval.py` (44 groups): worked examples before the
 prompt (few-shot) made `yesno` much worse (mean Spearman 0.18 against 0.50 without), so the
-prompts are zero-shot.
+prompts are zero-shot. In the same runs `digits` ranked at chance and, on 2 of 44 groups, put
+no top-20 probability on any digit (an error); `pairwise` ranked at 0.27 with 5x the requests.
 """
 
 from __future__ import annotations

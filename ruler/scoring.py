@@ -40,7 +40,9 @@ FEEDBACK = (
 MODES = ("auto", "listwise", *robust.LOGPROB_MODES)
 LOCAL_DEFAULT_MODE = "yesno"
 """`mode="auto"` for a local or small judge: the mode that ranked best with the embedded SmolLM2
-(see `benchmarks/ruler_eval.py` and the README); hosted judges get `"listwise"`."""
+on `benchmarks/ruler_eval.py --local` (44 groups, mean Spearman: yesno 0.44 and 0.50 in two runs,
+pairwise 0.27, digits about 0 with groups failing; listwise JSON failed 4 of 8 groups and ranked at
+chance in the issue's earlier run). Hosted judges get `"listwise"`."""
 
 
 class RulerError(RuntimeError):
