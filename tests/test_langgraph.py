@@ -236,6 +236,24 @@ async def test_every_mode_records_the_same_trajectory(tiny):
 
 
 @pytest.mark.engine
+async def test_sync_record_block_with_a_plain_chat_openai(tiny):
+    """`with record()` around a sync `invoke`, the model a ChatOpenAI built by hand."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=tiny.name, base_url=tiny.base_url, api_key="none", max_tokens=4)
+
+    def run() -> Trajectory:
+        with record(reward=lambda s: 1.0) as traj:
+            sync_agent_graph(llm).invoke(INPUT)
+        return traj
+
+    traj = await asyncio.to_thread(run)
+    assert [m["role"] for m in traj.messages] == [
+        "system", "user", "assistant", "user", "assistant"]
+    assert traj.reward == 1.0 and check_against_ledger(traj, tiny.base_url) == 3
+
+
+@pytest.mark.engine
 async def test_a_subgraph_is_recorded(tiny):
     llm = init_chat_model(tiny, max_tokens=4)
 
