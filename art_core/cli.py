@@ -83,15 +83,15 @@ def _run(result: object) -> None:
 @app.command(add_help_option=False,  # --help goes to the demo's own parser, with its options
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def demo(ctx: typer.Context) -> None:
-    """Train the embedded small model end to end on CPU: `--task brevity` (the default) or
-    `--task agent`, a tool-using LangGraph agent (not yet measured to learn; options: art demo
-    [--task T] --help)."""
-    argv, task = list(ctx.args), "brevity"
+    """Train a tool-using LangGraph agent on the embedded model, end to end, on CPU
+    (`--task brevity`: the older, faster brevity demo; options: art demo [--task T] --help)."""
+    argv, task = list(ctx.args), "agent"
     if "--task" in argv:
         i = argv.index("--task")
         task = argv[i + 1] if i + 1 < len(argv) else ""
         del argv[i:i + 2]
-    demos = {"agent": ("art_langgraph.demo", "langgraph"), "brevity": ("art_core.demo", "backend")}
+    demos = {"agent": ("art_langgraph.demo", "backend,langgraph"),
+             "brevity": ("art_core.demo", "backend")}
     if task not in demos:
         typer.echo(f"error: --task must be one of {', '.join(demos)}; got {task!r}", err=True)
         raise typer.Exit(code=2)

@@ -1,4 +1,4 @@
-"""`art demo --task agent`: a tool-using LangGraph agent gets more answers right, trained on a laptop CPU.
+"""`art demo`: a tool-using LangGraph agent gets more answers right, trained on a laptop CPU.
 
 The task: answer questions such as "What is the currency of Velmoria?" about made-up countries
 (so the model cannot know the answers) with a `lookup_country` tool that returns the country's
@@ -195,7 +195,7 @@ def show_episode(label: str, example: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 6,
+async def run(path: str = ".art", steps: int = 6, groups_per_step: int = 6,
               rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
               fresh: bool = False, seed: int = 0) -> dict[str, Any]:
     """Evaluate, train `steps` more steps, evaluate again; returns the two evaluations."""
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="art demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", default=".art", help="run directory (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="steps to add (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=6, help="steps to add (default: %(default)s)")
     p.add_argument("--groups-per-step", type=int, default=6,
                    help="training questions per step (default: %(default)s)")
     p.add_argument("--rollouts-per-group", type=int, default=4,

@@ -91,13 +91,14 @@ def test_version_prints_only_the_version():
 
 
 @pytest.mark.parametrize(("blocked", "args", "expected"), [
-    ("art_core.demo", ["demo"], "art_core.demo is not part of this install"),
+    ("art_langgraph.demo", ["demo"], "art_langgraph.demo is not part of this install"),
+    ("art_core.demo", ["demo", "--task", "brevity"], "art_core.demo is not part of this install"),
     ("art_core.server", ["serve"], "art_core.server is not part of this install"),
     ("fastapi", ["serve"], "pip install 'art-agents[backend]'"),
 ])
 def test_command_without_its_modules_fails_clearly(monkeypatch, blocked, args, expected):
     # None in sys.modules makes the import fail as if the module were not installed
-    for name in [blocked, "art_core.server", "art_core.demo"]:
+    for name in [blocked, "art_core.server", "art_core.demo", "art_langgraph.demo"]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, blocked, None)
     result = runner.invoke(app, args)
@@ -109,11 +110,14 @@ def test_command_without_its_modules_fails_clearly(monkeypatch, blocked, args, e
     ("returned", "code"), [(None, 0), (0, 0), (3, 3)], ids=["none", "zero", "three"]
 )
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
-def test_demo_calls_main(monkeypatch, returned, code, is_async):
+@pytest.mark.parametrize(("task", "module"), [
+    ([], "art_langgraph.demo"), (["--task", "agent"], "art_langgraph.demo"),
+    (["--task", "brevity"], "art_core.demo")], ids=["default", "agent", "brevity"])
+def test_demo_calls_main(monkeypatch, returned, code, is_async, task, module):
     import types
 
     calls = []
-    fake = types.ModuleType("art_core.demo")
+    fake = types.ModuleType(module)
 
     if is_async:
 
@@ -127,10 +131,15 @@ def test_demo_calls_main(monkeypatch, returned, code, is_async):
             return returned
 
     fake.main = main
-    monkeypatch.setitem(sys.modules, "art_core.demo", fake)
-    result = runner.invoke(app, ["demo", "--steps", "2"])
+    monkeypatch.setitem(sys.modules, module, fake)
+    result = runner.invoke(app, ["demo", *task, "--steps", "2"])
     assert calls == [("async" if is_async else "sync", ["--steps", "2"])]
     assert result.exit_code == code
+
+
+def test_demo_rejects_an_unknown_task():
+    result = runner.invoke(app, ["demo", "--task", "chess"])
+    assert result.exit_code == 2 and "--task must be one of agent, brevity" in result.output
 
 
 def test_demo_names_a_missing_dependency(monkeypatch):
@@ -139,7 +148,7 @@ def test_demo_names_a_missing_dependency(monkeypatch):
     real = importlib.import_module
 
     def fake_import(name, *a, **k):
-        if name == "art_core.demo":
+        if name == "art_langgraph.demo":
             raise ModuleNotFoundError("No module named 'torch'", name="torch")
         return real(name, *a, **k)
 
@@ -147,7 +156,7 @@ def test_demo_names_a_missing_dependency(monkeypatch):
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 1
     assert "needs the package 'torch'" in result.output
-    assert "pip install 'art-agents[backend]'" in result.output
+    assert "pip install 'art-agents[backend,langgraph]'" in result.output
 
 
 def _art_command() -> list[str]:
