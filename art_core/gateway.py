@@ -253,6 +253,7 @@ class Gateway:
         raise AssertionError("unreachable")
 
     async def completion(self, request: Request, path: str) -> Response:
+        started_at = time.time()  # wall clock: the call's latency, as the caller sees it
         try:
             raw = await request.body()
             try:
@@ -287,7 +288,8 @@ class Gateway:
                 if plan is not None:
                     up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
                 elif body.get("stream"):
-                    response, handed_off = await self._stream(route, path, up, requested, chat)
+                    response, handed_off = await self._stream(route, path, up, requested, chat,
+                                                              started_at)
                     return response
                 r = await self._send(route, path, up)
                 if r.status_code >= 400:
@@ -298,6 +300,8 @@ class Gateway:
                 data["art_step"] = route.step
                 if plan is not None:
                     data = plan.convert(data)
+                data["art_started_at"] = started_at
+                data["art_latency_s"] = round(time.time() - started_at, 6)
                 self._record(_record_of(data, requested, route, chat))
                 if body.get("stream"):  # strict tools, streamed: the finished response, chunked
                     return _sse(stream_chunks(data, _include_usage(body)))
@@ -311,7 +315,7 @@ class Gateway:
             return openai_error(502, f"inference engine error: {type(e).__name__}: {e}")
 
     async def _stream(self, route: Route, path: str, up: dict[str, Any], requested: str,
-                      chat: bool) -> tuple[Response, bool]:
+                      chat: bool, started_at: float) -> tuple[Response, bool]:
         """Relay vLLM's SSE stream, recording tokens as they pass. Returns (response, whether
         the in-flight slot was handed to the stream, which releases it when it ends)."""
         upstream = await self._open_stream(route, path, up)
@@ -339,7 +343,9 @@ class Gateway:
                             line = "data: " + json.dumps(chunk, separators=(",", ":"))
                     yield (line + "\n\n").encode()
                 if acc["id"] is not None:
-                    self._record(_record_of_stream(acc, requested, route))
+                    self._record(dict(_record_of_stream(acc, requested, route),
+                                      started_at=started_at,
+                                      latency_s=round(time.time() - started_at, 6)))
             finally:
                 await upstream.aclose()
                 self._exit()
@@ -418,6 +424,7 @@ def _record_of(data: dict[str, Any], requested: str, route: Route, chat: bool
     return {
         "id": data["id"], "model": requested, "served": route.public, "step": route.step,
         "prompt_token_ids": data.get("prompt_token_ids"),
+        "started_at": data.get("art_started_at"), "latency_s": data.get("art_latency_s"),
         "choices": [
             {"index": c.get("index", i), "token_ids": c.get("token_ids") or [],
              "logprobs": _logprob_list(c, chat), "finish_reason": c.get("finish_reason")}

@@ -47,6 +47,10 @@ class SampledTurn(BaseModel):
     step: int | None = Field(default=None, description="Checkpoint step that sampled this turn.")
     response_id: str | None = None
     finish_reason: str | None = None
+    started_at: float | None = Field(
+        default=None, description="Unix time the gateway received the request (observability).")
+    latency_s: float | None = Field(
+        default=None, description="Seconds from request to complete response, at the gateway.")
 
     @model_validator(mode="after")
     def _lengths_match(self) -> SampledTurn:
@@ -145,7 +149,8 @@ class History(BaseModel):
             message_index=len(self.messages), prompt_token_ids=prompt_ids,
             completion_token_ids=token_ids, logprobs=[t["logprob"] for t in content_lp],
             step=data.get("art_step"), response_id=data.get("id"),
-            finish_reason=ch.get("finish_reason"),
+            finish_reason=ch.get("finish_reason"), started_at=data.get("art_started_at"),
+            latency_s=data.get("art_latency_s"),
         )
         self.messages.append(message)
         self.turns.append(turn)

@@ -236,7 +236,8 @@ class TrajectoryRecorder(BaseCallbackHandler):
                     message_index=index, prompt_token_ids=rec["prompt_token_ids"],
                     completion_token_ids=choice["token_ids"], logprobs=choice["logprobs"],
                     step=rec.get("step"), response_id=call.response_id,
-                    finish_reason=choice.get("finish_reason")))
+                    finish_reason=choice.get("finish_reason"),
+                    started_at=rec.get("started_at"), latency_s=rec.get("latency_s")))
             histories.append(History(messages=conv.messages, tools=conv.tools, turns=turns))
         if missing:
             msg = (f"no sampled tokens for {len(missing)} assistant turn(s): "
