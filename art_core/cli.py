@@ -111,6 +111,14 @@ def mcp_train(ctx: typer.Context) -> None:
     _run(module.main(argv))  # type: ignore[attr-defined]
 
 
+@app.command(add_help_option=False,  # --help: the command's own parser
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def autorl(ctx: typer.Context) -> None:
+    """Train from a task description alone: generated scenarios, RULER rewards (art autorl --help)."""
+    module = _import_or_exit("art_mcp.cli", extra="backend,ruler")
+    _run(module.autorl_main(list(ctx.args)))  # type: ignore[attr-defined]
+
+
 @app.command()
 def plot(
     path: str = typer.Option(".art", "--path", help="Run directory to read."),

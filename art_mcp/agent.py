@@ -38,11 +38,14 @@ import copy
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from art_core.recording import ToolEvent, recording
 from art_core.trajectory import Trajectory
 from art_mcp.session import RecordingSession, ServerGone
+
+if TYPE_CHECKING:
+    from art_mcp.functions import FunctionSession
 
 COMPLETE_TASK = "complete_task"
 
@@ -133,10 +136,11 @@ class _Collect:
         return event.tool_call_id
 
 
-async def run_agent(model: Any, session: RecordingSession, task: str, *,
+async def run_agent(model: Any, session: RecordingSession | FunctionSession, task: str, *,
                     config: AgentConfig | None = None, trajectory: Trajectory | None = None,
                     model_name: str | None = None) -> Trajectory:
-    """Run one rollout of `task` with the tools of `session`; returns the trajectory.
+    """Run one rollout of `task` with the tools of `session` (an MCP server's, or Python
+    functions' through `art_mcp.functions.FunctionSession`); returns the trajectory.
 
     `model` is an `art_core.Model` (a `TrainableModel` records exact tokens; another endpoint
     gives context-only turns, counted in `metrics["untrainable_turns"]`). `model_name` overrides
@@ -222,7 +226,7 @@ def _json_action(traj: Trajectory, message: dict[str, Any]) -> list[dict[str, An
     return [call]
 
 
-async def _run_calls(traj: Trajectory, session: RecordingSession,
+async def _run_calls(traj: Trajectory, session: RecordingSession | FunctionSession,
                      calls: list[dict[str, Any]]) -> bool:
     """Run one turn's tool calls concurrently, record them in call order; True when the agent
     called `complete_task`. Raises `ServerGone` once the results are recorded, if the server

@@ -6,6 +6,7 @@
 Without `--reward`, RULER scores each group (`--judge`: a litellm model, or `embedded` for an
 untrained copy of the base model on the same engine). Without `--scenarios`, `--generator`
 writes them from the tool list. A second run on the same `--path` and `--name` continues.
+(`art autorl` is here too: `autorl_main`, below.)
 """
 
 from __future__ import annotations
@@ -109,4 +110,109 @@ async def _run(args: argparse.Namespace) -> int:
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format),
         train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
         max_concurrency=args.max_concurrency)
+    return 0
+
+
+AUTORL_DOC = """`art autorl`: train a model from a task description, with no data and no reward code.
+
+    art autorl "Triage support emails into billing / bug / feature request and draft a reply."
+    art autorl "..." --generator openai/gpt-4.1-mini --judge openai/o4-mini --steps 10
+    art autorl "..." --tools my_tools.py:lookup_order my_tools.py:refund
+
+A generator model writes the scenarios and derives the system prompt and the RULER rubric
+(shown, and saved in the run directory: edit them and pass them back with --system-prompt /
+--rubric, as text or @FILE). RULER judges each group of rollouts; the table at the end compares
+the held-out scenarios before and after. By default the embedded model is the policy, the
+generator and the judge, on CPU. A second run on the same --path and --name continues, on the
+same scenarios.
+"""
+
+
+def autorl_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="art autorl", description=AUTORL_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("description", help="what the agent should do, in a paragraph")
+    p.add_argument("--model", default=None, help="base model to train (default: the embedded one)")
+    p.add_argument("--name", default="autorl-agent", help="model name (default: %(default)s)")
+    p.add_argument("--project", default="autorl", help="project (default: %(default)s)")
+    p.add_argument("--path", default=".art", help="run directory (default: %(default)s)")
+    p.add_argument("--generator", default="embedded",
+                   help="litellm model that writes scenarios and prompts, or 'embedded' "
+                   "(default: %(default)s)")
+    p.add_argument("--generator-api-base", help="OpenAI-compatible endpoint for --generator")
+    p.add_argument("--judge", default="embedded",
+                   help="RULER judge: a litellm model, or 'embedded' (default: %(default)s)")
+    p.add_argument("--judge-api-base", help="OpenAI-compatible endpoint for --judge")
+    p.add_argument("--judge-mode", choices=["auto", "listwise", "yesno", "digits", "pairwise"],
+                   default="auto", help="how RULER asks the judge (default: %(default)s)")
+    p.add_argument("--tools", nargs="+", action="extend", default=[], metavar="MODULE:FUNCTION",
+                   help="Python functions the agent may call (FILE.py:NAME or MODULE:NAME)")
+    p.add_argument("--system-prompt", help="the policy's system prompt (text or @FILE) "
+                   "instead of the derived one")
+    p.add_argument("--rubric", help="RULER rubric (text or @FILE) instead of the derived one")
+    p.add_argument("--n-scenarios", type=int, default=24, help="(default: %(default)s)")
+    p.add_argument("--held-out", type=float, default=0.25,
+                   help="held-out share (<1) or count (>=1) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="training steps to add (default: %(default)s)")
+    p.add_argument("--groups-per-step", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--rollouts-per-group", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--eval-rollouts", type=int, default=2,
+                   help="rollouts per held-out scenario (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=200,
+                   help="tokens per model call (default: %(default)s)")
+    p.add_argument("--max-turns", type=int, default=6, help="with --tools (default: %(default)s)")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="(default: %(default)s, for the 135M model; less for larger ones)")
+    p.add_argument("--max-concurrency", type=int, default=8, help="(default: %(default)s)")
+    p.add_argument("--examples", type=int, default=3,
+                   help="held-out examples shown with the judge's explanation (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _text(value: str | None) -> str | None:
+    """A text option: as given, or the contents of @FILE."""
+    if value and value.startswith("@"):
+        return Path(value[1:]).read_text(encoding="utf-8").strip()
+    return value
+
+
+def autorl_main(argv: list[str] | None = None) -> int:
+    p = autorl_parser()
+    args = p.parse_args(argv or [])
+    for name, least in (("steps", 0), ("groups_per_step", 1), ("rollouts_per_group", 2),
+                        ("eval_rollouts", 1), ("n_scenarios", 2), ("max_tokens", 1),
+                        ("max_turns", 1), ("max_concurrency", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    try:
+        tools = [load_function(ref) for ref in args.tools]
+        system_prompt, rubric = _text(args.system_prompt), _text(args.rubric)
+    except (ValueError, OSError, ImportError, AttributeError) as e:
+        p.error(str(e))
+    return asyncio.run(_autorl(args, tools, system_prompt, rubric))
+
+
+async def _autorl(args: argparse.Namespace, tools: list[Any], system_prompt: str | None,
+                  rubric: str | None) -> int:
+    from art_core import TrainableModel, TrainConfig
+    from art_mcp.agent import AgentConfig
+    from art_mcp.autorl import autorl
+
+    model = TrainableModel(name=args.name, project=args.project,
+                           **({"base_model": args.model} if args.model else {}))
+    held_out: int | float = int(args.held_out) if args.held_out >= 1 else args.held_out
+    judge_kwargs: dict[str, Any] = {"mode": args.judge_mode}
+    if args.judge_api_base:
+        judge_kwargs["api_base"] = args.judge_api_base
+    gen_kwargs = {"api_base": args.generator_api_base} if args.generator_api_base else {}
+    await autorl(
+        args.description, model=model, path=args.path, generator=args.generator,
+        generator_kwargs=gen_kwargs, judge=args.judge, judge_kwargs=judge_kwargs, tools=tools,
+        system_prompt=system_prompt, rubric=rubric, n_scenarios=args.n_scenarios,
+        held_out=held_out, steps=args.steps, groups_per_step=args.groups_per_step,
+        rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
+        agent=AgentConfig(max_tokens=args.max_tokens, max_turns=args.max_turns),
+        train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
+        max_concurrency=args.max_concurrency, examples=args.examples)
     return 0

@@ -184,10 +184,14 @@ def _validate(item: Any) -> tuple[dict[str, Any] | None, str]:
     return {"task": " ".join(task.split()), "difficulty": difficulty}, ""
 
 
-async def _ask(generator: Any, messages: list[dict[str, str]], k: int, api_base: str | None,
-               api_key: str | None, temperature: float, timeout: float) -> str:
+async def ask_json(generator: Any, messages: list[dict[str, str]], name: str,
+                   schema: dict[str, Any], *, max_tokens: int, api_base: str | None = None,
+                   api_key: str | None = None, temperature: float = 1.0,
+                   timeout: float = 300.0) -> str:
+    """The text of one answer of `generator` (a litellm model string or an `art_core.Model`),
+    asked for strict JSON of `schema`. The caller parses and validates it."""
     response_format = {"type": "json_schema", "json_schema": {
-        "name": "scenarios", "strict": True, "schema": _schema(k)}}
+        "name": name, "strict": True, "schema": schema}}
     if isinstance(generator, str):
         import os
 
@@ -198,10 +202,21 @@ async def _ask(generator: Any, messages: list[dict[str, str]], k: int, api_base:
                                       api_key=api_key, temperature=temperature,
                                       response_format=response_format, timeout=timeout)
     else:
-        r = await generator.openai_client(timeout=timeout).chat.completions.create(
-            model=generator.name, messages=messages, temperature=temperature,
-            response_format=response_format, max_tokens=max(256, 120 * k))
+        client = generator.openai_client(timeout=timeout)
+        try:
+            r = await client.chat.completions.create(
+                model=generator.name, messages=messages, temperature=temperature,
+                response_format=response_format, max_tokens=max_tokens)
+        finally:
+            await client.close()
     return r.choices[0].message.content or ""
+
+
+async def _ask(generator: Any, messages: list[dict[str, str]], k: int, api_base: str | None,
+               api_key: str | None, temperature: float, timeout: float) -> str:
+    return await ask_json(generator, messages, "scenarios", _schema(k),
+                          max_tokens=max(256, 120 * k), api_base=api_base, api_key=api_key,
+                          temperature=temperature, timeout=timeout)
 
 
 async def generate_scenarios(

@@ -37,6 +37,9 @@ class Reply:
     status: int = 200
     error: str = "scripted error"
     delay: float = 0.0
+    tool_calls: list[tuple[str, dict[str, Any]]] | None = None
+    """(name, arguments) of tool calls the assistant makes (with ids `call_<n>`), for scripting
+    an agent: the reply then has `finish_reason: "tool_calls"`."""
     usage: dict[str, int] = field(
         default_factory=lambda: {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
     )
@@ -144,6 +147,12 @@ def _completion(model: str, reply: Reply) -> dict[str, Any]:
     content = reply.content
     if content is None and reply.top_logprobs:
         content = max(reply.top_logprobs.items(), key=lambda kv: kv[1])[0]
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": f"call_{time.monotonic_ns()}_{i}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}}
+            for i, (name, arguments) in enumerate(reply.tool_calls)]
     return {
         "id": f"chatcmpl-scripted-{time.monotonic_ns()}",
         "object": "chat.completion",
@@ -152,9 +161,9 @@ def _completion(model: str, reply: Reply) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": message,
                 "logprobs": _logprobs(reply),
-                "finish_reason": "stop",
+                "finish_reason": "tool_calls" if reply.tool_calls else "stop",
             }
         ],
         "usage": reply.usage,
