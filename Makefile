@@ -7,8 +7,10 @@ setup:
 demo: setup
 	.venv/bin/art demo
 
-test: setup
+test:
+	@bash scripts/setup.sh --dev
 	.venv/bin/python -m pytest -q
 
-lint: setup
+lint:
+	@bash scripts/setup.sh --dev
 	.venv/bin/ruff check .

