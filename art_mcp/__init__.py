@@ -1,4 +1,5 @@
-"""art_mcp: record MCP tool sessions into trajectories, and MCP·RL (train on a server's tools).
+"""art_mcp: record MCP tool sessions into trajectories, MCP·RL (train on a server's tools) and
+AutoRL (train from a task description; `art_mcp.autorl`), which share `art_mcp.loop`.
 
     from art_mcp import connect, ServerSpec, run_agent
     async with connect(ServerSpec(command=["python", "server.py"])) as session:
@@ -10,6 +11,8 @@
 from __future__ import annotations
 
 from art_mcp.agent import COMPLETE_TASK, AgentConfig, action_schema, run_agent
+from art_mcp.autorl import AutoRLResult, autorl
+from art_mcp.functions import FunctionSession, function_tool
 from art_mcp.scenarios import (
     Scenario,
     ScenarioError,
@@ -31,7 +34,9 @@ from art_mcp.train import (
 __all__ = [
     "COMPLETE_TASK",
     "AgentConfig",
+    "AutoRLResult",
     "EvalStats",
+    "FunctionSession",
     "McpTrainResult",
     "RecordingSession",
     "RolloutContext",
@@ -40,8 +45,10 @@ __all__ = [
     "ServerGone",
     "ServerSpec",
     "action_schema",
+    "autorl",
     "connect",
     "evaluate",
+    "function_tool",
     "generate_scenarios",
     "load_scenarios",
     "openai_tool",

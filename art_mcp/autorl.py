@@ -78,8 +78,8 @@ DERIVE_SYSTEM = (
 
 _PROMPTS_SCHEMA = {"type": "object", "additionalProperties": False,
                    "required": ["system_prompt", "rubric"],
-                   "properties": {"system_prompt": {"type": "string", "maxLength": 1500},
-                                  "rubric": {"type": "string", "maxLength": 1500}}}
+                   "properties": {"system_prompt": {"type": "string", "maxLength": 600},
+                                  "rubric": {"type": "string", "maxLength": 600}}}
 
 
 def template_prompts(description: str, tools: bool = False) -> Prompts:
@@ -114,7 +114,7 @@ async def derive_prompts(description: str, generator: Any, *, tools: Sequence[di
     for _ in range(max_attempts):
         try:
             content = await ask_json(generator, messages, "autorl_prompts", _PROMPTS_SCHEMA,
-                                     max_tokens=700, api_base=api_base, api_key=api_key,
+                                     max_tokens=500, api_base=api_base, api_key=api_key,
                                      temperature=temperature, timeout=timeout)
             data = json.loads(_json_object(content))
             prompts = Prompts(system_prompt=str(data["system_prompt"]).strip(),

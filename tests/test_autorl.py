@@ -346,3 +346,73 @@ def test_cli_bad_arguments_fail_before_anything_starts(argv, message, capsys):
         autorl_main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "autorl.py"
+
+
+def load_example() -> Any:
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("examples_autorl", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tools", [False, True])
+async def test_the_example_in_its_smallest_setting_on_a_scripted_server(tmp_path, tools):
+    example = load_example()
+    cfg = example.CPU_SMOKE
+
+    def policy(body: dict[str, Any]) -> Reply | str:
+        if not tools:
+            return "Billing. Dear customer, sorry for the double charge."
+        if any(m["role"] == "tool" for m in body["messages"]):
+            return Reply(tool_calls=[("complete_task", {"summary": "Billing: refund sent."})])
+        return Reply(tool_calls=[("lookup_account", {"email": "li@example.com"})])
+
+    world = World([scenarios_answer(*EMAILS)], policy=policy)
+    with ScriptedJudge(world) as server:
+        backend = ScriptedBackend(tmp_path, server.api_base)
+        result = await example.run(
+            cfg, path=str(tmp_path), tools=tools, backend=backend,
+            generator=Model(name="gen", base_url=server.api_base), judge="openai/judge",
+            judge_kwargs={"api_base": server.api_base, "api_key": "x", "mode": "listwise",
+                          "cache": False}, print_fn=lambda s: None)
+        policy_requests = world.requests(server, "triage-agent")
+    assert (result.before.step, result.after.step) == (0, cfg.steps)
+    assert len(backend.trained) == cfg.steps
+    assert (result.train_scenarios, result.held_out_scenarios) == (4, 2)
+    assert policy_requests[0]["max_tokens"] == cfg.max_tokens
+    if tools:
+        traj = backend.trained[0][0].trajectories[0]
+        assert [m["content"] for m in traj.messages if m["role"] == "tool"][0] == \
+            example.ACCOUNTS["li@example.com"]
+    assert "held-out: 2 scenarios x 2 rollouts" in result.table
+
+
+def test_the_example_documents_its_settings():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "--cpu-smoke" in out and "art autorl" in out
+
+
+@pytest.mark.engine
+async def test_the_example_cpu_smoke_trains_on_the_embedded_model(backend, smollm2_path, tmp_path):
+    """The real thing, smallest setting: SmolLM2 writes the scenarios and prompts, answers,
+    judges itself (yesno from logprobs) and takes one GRPO step."""
+    example = load_example()
+    lines: list[str] = []
+    result = await example.run(example.CPU_SMOKE, model=TrainableModel(
+        name="ex-autorl", project="examples"), backend=backend, print_fn=lines.append)
+    assert result.after.step == result.before.step + example.CPU_SMOKE.steps
+    assert result.train_scenarios >= 2 and result.held_out_scenarios == 2
+    assert "RULER score (mean)" in result.table and "example " in result.table
+    assert any(line.startswith("RULER rubric") for line in lines)
