@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,24 @@ def load_function(ref: str) -> Any:
     if not target or not name:
         raise ValueError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {ref!r}")
     if target.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"cannot load {target}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        path = Path(target).resolve()
+        key = f"_art_loaded_{path.stem}_{abs(hash(str(path)))}"
+        module = sys.modules.get(key)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(key, path)
+            if spec is None or spec.loader is None:
+                raise ValueError(f"cannot load {target}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module  # dataclasses (and pickling) look their module up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
     else:
         module = importlib.import_module(target)
+    if not hasattr(module, name):
+        raise ValueError(f"{target} has no {name!r}")
     return getattr(module, name)
 
 

@@ -27,6 +27,7 @@ from ruler.testing import Reply, ScriptedJudge
 TASK = ("Triage a customer support email into billing, bug or feature request, "
         "and draft a short reply.")
 RUBRIC = "- The category is right.\n- The reply is polite and answers the email."
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "autorl.py"
 SYSTEM = "You triage support emails. Say the category first, then draft a reply."
 
 
@@ -340,6 +341,7 @@ async def test_function_session_reports_failures_as_results():
     ([TASK, "--tools", "no_colon"], "expected FILE.py:FUNCTION"),
     ([TASK, "--rubric", "@/nonexistent/rubric.txt"], "No such file"),
     ([TASK, "--judge-mode", "shout"], "invalid choice"),
+    ([TASK, "--tools", f"{EXAMPLE}:nope"], "has no 'nope'"),
 ])
 def test_cli_bad_arguments_fail_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -347,8 +349,6 @@ def test_cli_bad_arguments_fail_before_anything_starts(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "autorl.py"
 
 
 def load_example() -> Any:
@@ -393,6 +393,14 @@ async def test_the_example_in_its_smallest_setting_on_a_scripted_server(tmp_path
         assert [m["content"] for m in traj.messages if m["role"] == "tool"][0] == \
             example.ACCOUNTS["li@example.com"]
     assert "held-out: 2 scenarios x 2 rollouts" in result.table
+
+
+def test_tools_load_from_a_file_that_defines_dataclasses():
+    from art_mcp.cli import load_function
+
+    lookup = load_function(f"{EXAMPLE}:lookup_account")  # the example has a @dataclass
+    assert lookup("ana@example.com").startswith("plan Pro")
+    assert load_function(f"{EXAMPLE}:lookup_account") is lookup  # loaded once
 
 
 def test_the_example_documents_its_settings():
