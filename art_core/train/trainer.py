@@ -166,6 +166,7 @@ class Trainer:
 
         gspo = config.loss == "gspo"
         sequences = B.with_token_weights(sequences, per_sequence=gspo)
+        sequences = self._local_share(sequences)  # all of them, unless one rank of several
         low, high = config.clip_bounds()
         use_bf16 = self.bf16_capable if config.bf16 is None else config.bf16
         if config.gradient_checkpointing:
@@ -203,6 +204,7 @@ class Trainer:
             for k, v in m.items():  # token-weighted means over micro-batches; loss is a sum
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * n)
 
+        sums, trained = self._reduce_across_ranks(sums, trained)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             list(self.lora_params.values()), config.max_grad_norm)
         if not math.isfinite(float(grad_norm)):
@@ -217,6 +219,17 @@ class Trainer:
                        seconds=time.perf_counter() - t0)
         metrics["tokens_per_second"] = trained / metrics["seconds"]
         return metrics
+
+    # ---- hooks for data-parallel training (art_core/train/distributed.py) -------------------
+
+    def _local_share(self, sequences: list[B.Sequence]) -> list[B.Sequence]:
+        """The sequences this process trains: all of them in a single process."""
+        return sequences
+
+    def _reduce_across_ranks(self, sums: dict[str, float],
+                             trained: int) -> tuple[dict[str, float], int]:
+        """Combine gradients and metric sums of all ranks: nothing to do in one process."""
+        return sums, trained
 
     def _autocast(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         if not enabled:
