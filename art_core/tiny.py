@@ -4,7 +4,8 @@
 transformers both load, in about a second: a byte-level BPE tokenizer trained in-process on a
 small built-in corpus (so decoding ids always gives back the text), the ChatML + tools chat
 template we ship, and a random 2-layer model with head_dim 32 (vLLM's CPU attention supports
-32, 64, 80, ... but not 16). Architectures: "llama" and "qwen3" (the families users train most).
+32, 64, 80, ... but not 16). Architectures: "llama", "qwen3", "qwen2" (Qwen2.5 uses it) and
+"gemma3" (Gemma 3's text model): the families users train most.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Literal
 
 from art_core.base_models import tools_chat_template
 
-Arch = Literal["llama", "qwen3"]
+Arch = Literal["llama", "qwen3", "qwen2", "gemma3"]
+ARCHS: tuple[Arch, ...] = ("llama", "qwen3", "qwen2", "gemma3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 _CORPUS = """
@@ -58,7 +60,13 @@ def build_tiny_model(
 ) -> Path:
     """Write a tiny random `arch` model with tokenizer and chat template to `path` (atomic)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
@@ -75,8 +83,15 @@ def build_tiny_model(
         config = LlamaConfig(**common)
     elif arch == "qwen3":
         config = Qwen3Config(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common)
+    elif arch == "gemma3":
+        # Gemma 3 alternates sliding-window and global attention layers; a window shorter
+        # than the tests' sequences keeps both kinds of layer exercised.
+        config = Gemma3TextConfig(**common, sliding_window=64, query_pre_attn_scalar=32,
+                                  layer_types=["sliding_attention", "full_attention"])
     else:
-        raise ValueError(f"unknown tiny-model arch {arch!r}; use 'llama' or 'qwen3'")
+        raise ValueError(f"unknown tiny-model arch {arch!r}; use one of {ARCHS}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default init so logits are not flat: greedy outputs then depend on weights.
