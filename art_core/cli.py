@@ -165,6 +165,9 @@ def serve(
     allow_engine_args: bool = typer.Option(
         False, "--allow-engine-args",
         help="Let clients pass vLLM flags (engine.extra_args) and a chat-template path."),
+    idle_exit_minutes: float = typer.Option(
+        0.0, min=0.0, help="Exit after this many minutes without a request (0: never); "
+        "`art launch` sets it so the cluster's auto-stop can fire."),
 ) -> None:
     """Run the backend (vLLM, gateway, trainer) as a server for RemoteBackend clients.
 
@@ -183,9 +186,62 @@ def serve(
                           max_body_bytes=int(max_body_mb * 2**20),
                           shutdown_grace_s=shutdown_grace, log_level=log_level,
                           base_models=tuple(allow_base_model or ()),
-                          allow_engine_args=allow_engine_args))
+                          allow_engine_args=allow_engine_args,
+                          idle_exit_minutes=idle_exit_minutes))
     except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down already; no traceback
         raise typer.Exit(code=130) from None
+
+
+@app.command()
+def launch(
+    cluster: str = typer.Option("art", "--cluster", "-c", help="SkyPilot cluster name (reused)."),
+    gpus: str = typer.Option("L4:1", "--gpus", help="Accelerators, e.g. L4:1, A100:1, H100:8."),
+    infra: str = typer.Option("", "--infra", show_default=False,
+                              help="aws, gcp/us-central1, k8s, ... (default: cheapest enabled)."),
+    port: int = typer.Option(7999, min=1, max=65535, help="Port `art serve` listens on."),
+    idle_minutes: int = typer.Option(30, min=0, help="Auto-stop the cluster this long after "
+                                     "the server exits."),
+    serve_idle_minutes: float = typer.Option(60.0, min=0.0, help="The server exits after this "
+                                             "long without a request (0: never)."),
+    down_on_idle: bool = typer.Option(False, "--down", help="Auto-stop deletes the cluster."),
+    spot: bool = typer.Option(False, "--spot", help="Use spot instances."),
+    package: str = typer.Option("art-agents[backend]", help="pip requirement installed there."),
+    dryrun: bool = typer.Option(False, "--dryrun", help="Let SkyPilot plan it; launch nothing."),
+) -> None:
+    """Start `art serve` on a GPU host with SkyPilot; print its URL and API key."""
+    from art_core.launch import LaunchConfig, LaunchError, launch_backend
+
+    cfg = LaunchConfig(cluster=cluster, accelerators=gpus, infra=infra or None, port=port,
+                       idle_minutes=idle_minutes, serve_idle_minutes=serve_idle_minutes,
+                       down=down_on_idle, use_spot=spot, package=package)
+    try:
+        backend = launch_backend(cfg, dryrun=dryrun)
+    except LaunchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    if backend is None:
+        typer.echo("dry run: SkyPilot accepted the task; nothing was launched")
+        return
+    typer.echo(f"ready: {backend.base_url}\n"
+               f"  export ART_API_KEY={backend.api_key}\n"
+               f"  backend = RemoteBackend({backend.base_url!r})\n"
+               f"tear down with: art down -c {cluster}")
+
+
+@app.command()
+def down(
+    cluster: str = typer.Option("art", "--cluster", "-c", help="SkyPilot cluster name."),
+) -> None:
+    """Tear down a cluster started by `art launch` (its disk and checkpoints go with it)."""
+    from art_core.launch import LaunchError
+    from art_core.launch import down as sky_down
+
+    try:
+        sky_down(cluster)
+    except LaunchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(f"cluster {cluster} is down")
 
 
 if __name__ == "__main__":

@@ -757,8 +757,10 @@ def build_server(root: str | Path, *, host: str = "127.0.0.1", port: int = 7999,
 async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 7999,
                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 shutdown_grace_s: float = 60.0, log_level: str = "info",
-                base_models: tuple[str, ...] = (), allow_engine_args: bool = False) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status."""
+                base_models: tuple[str, ...] = (), allow_engine_args: bool = False,
+                idle_exit_minutes: float = 0.0) -> int:
+    """Run until SIGTERM/SIGINT (or `idle_exit_minutes` without a request, if > 0); returns
+    the exit status."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per vLLM call otherwise
@@ -770,5 +772,19 @@ async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int
     log.info("art serve: run directory %s; OpenAI API at http://%s:%d/v1; control API at "
              "%s; API key %s; body limit %s", art.root, host, port, API_PREFIX,
              "required" if art.api_key else "not set (loopback only)", _size(max_body_bytes))
-    await server.serve()
+    watcher = None
+    if idle_exit_minutes > 0:  # art_core/idle.py says why
+        from art_core.idle import ActivityTracker, exit_when_idle
+
+        tracker = ActivityTracker(server.config.app)
+        server.config.app = tracker
+        busy = lambda: art.gateway.in_flight > 0 or any(  # noqa: E731
+            not j.finished for j in art.jobs.values())
+        watcher = asyncio.create_task(exit_when_idle(
+            tracker, idle_exit_minutes, busy, lambda: setattr(server, "should_exit", True)))
+    try:
+        await server.serve()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     return 0 if server.started else 1
