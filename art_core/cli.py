@@ -145,6 +145,22 @@ def plot(
 
 
 @app.command()
+def view(
+    path: str = typer.Argument(".art", help="Run directory (a backend's path) to browse."),
+    port: int = typer.Option(8090, min=0, max=65535, help="Port on 127.0.0.1 (0: any free)."),
+) -> None:
+    """Browse a run in a local web page: models, steps, rewards, groups and their trajectories
+    side by side. Read-only; follows a run that is still training."""
+    from art_core.viewer import serve as serve_view
+
+    try:
+        serve_view(path, port)
+    except (FileNotFoundError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
+
+
+@app.command()
 def serve(
     host: str = typer.Option(
         "127.0.0.1", help="Address to listen on. A non-loopback address needs an API key."),

@@ -22,6 +22,9 @@
 - An item of `groups` that is already a `TrajectoryGroup` is passed through unchanged (no
   `after_each`).
 - The result lists the groups in input order, dropped groups omitted.
+- `log_to=model` records the result with `model.log(groups, split=log_split)` (default split
+  "val"): the run directory and the configured loggers (W&B, Langfuse) get the groups, their
+  rewards, RULER's explanations and the exceptions, at the model's current step.
 - The progress bar (tqdm, one tick per rollout) shows the running mean reward of the trajectories
   kept so far (rewards as `after_each` left them once a group has passed it), the failure count
   and, with `after_each`, the number of dropped groups.
@@ -38,9 +41,12 @@ import inspect
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from art_core.trajectory import RolloutError, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from art_core.model import TrainableModel
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +142,8 @@ async def gather_trajectory_groups(
     max_concurrency: int | None = None,
     show_progress: bool = True,
     description: str = "gather",
+    log_to: TrainableModel | None = None,
+    log_split: str = "val",
 ) -> list[TrajectoryGroup]:
     """Run every rollout of every group concurrently and return the groups in input order.
 
@@ -317,7 +325,10 @@ async def gather_trajectory_groups(
             await asyncio.gather(*pending, return_exceptions=True)
         bar.close()
 
-    return [g for g in results if g is not None]
+    kept = [g for g in results if g is not None]
+    if log_to is not None and kept:
+        await log_to.log(kept, split=log_split)
+    return kept
 
 
 async def gather_trajectories(

@@ -117,6 +117,14 @@ class TrainableModel(Model):
         """One GRPO step on `groups` (short form of `backend.train(model, groups, config)`)."""
         return await self.backend.train(self, groups, config=config)
 
+    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> None:
+        """Record groups not trained on (e.g. validation rollouts) at the current step: in the
+        run directory (`art view` shows them) and in W&B / Langfuse when configured."""
+        log = getattr(self.backend, "log", None)
+        if log is None:
+            raise NotImplementedError(f"{type(self.backend).__name__} does not log groups")
+        await log(self, groups, split=split)
+
     async def delete_checkpoints(self, best_checkpoint_metric: str = "reward_mean") -> list[int]:
         """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""
         return await self.backend.delete_checkpoints(self, best_checkpoint_metric)

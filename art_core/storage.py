@@ -4,6 +4,8 @@
         model.json                  base model and config, written at registration
         checkpoints/0000/ ...       one peft adapter directory per complete step
         journal/0001.jsonl          the groups of step 1, written before that step trains
+        val/0001.jsonl              groups logged with split "val" at step 1 (art_core.loggers),
+        val/history.jsonl           and their metrics, one row per log call
         history.jsonl               one row of metrics per step
         requests.jsonl              `art serve` only: train requests already answered, so a
                                     client's retry after a server restart is not trained twice
@@ -55,6 +57,12 @@ class ModelDir:
     @property
     def requests(self) -> Path:
         return self.path / "requests.jsonl"
+
+    def split_dir(self, split: str) -> Path:
+        """Groups and metrics logged for a split other than train (e.g. "val"): `<split>/`."""
+        if split in ("train", "checkpoints", "journal"):
+            raise ValueError(f"{split!r} is not a split stored in its own directory")
+        return self.path / validate_name(split, "split name")
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"{step:04d}"

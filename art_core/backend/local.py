@@ -8,6 +8,7 @@
       5. save the adapter to checkpoints/.tmp-<step>, rename to checkpoints/<step>  (atomic)
       6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
       7. append metrics to history.jsonl; open the gate              (inference resumes)
+      8. hand the step to the loggers (art_core.loggers: W&B, Langfuse if configured)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from art_core.base_models import resolve_base_model
 from art_core.config import TrainConfig
 from art_core.engine import VLLMEngine
 from art_core.gateway import Gateway, GatewayServer
+from art_core.loggers import SPLIT_TRAIN, Logger, Loggers, StepRecord, group_metrics
 from art_core.model import TrainableModel
 from art_core.storage import ModelDir
 from art_core.trajectory import TrajectoryGroup
@@ -37,8 +39,11 @@ class LocalBackend:
     """Runs inference (vLLM behind our gateway) and training (peft) on this machine."""
 
     def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
-                 gateway: Gateway | None = None) -> None:
+                 gateway: Gateway | None = None, loggers: list[Logger] | None = None) -> None:
+        """`loggers`: extra loggers besides the run directory and those the environment turns
+        on (W&B, Langfuse: see art_core.loggers)."""
         self.root = Path(path).resolve()
+        self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
         self._external_loop = gateway is not None  # `art serve` runs the gateway itself
@@ -75,6 +80,7 @@ class LocalBackend:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        await asyncio.to_thread(self.loggers.close)
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -215,6 +221,9 @@ class LocalBackend:
                 await asyncio.to_thread(engine.wake_up)
                 await self._on_gateway(self._resume)
             md.append_history({"step": step, **metrics})
+            self.loggers.log_step(StepRecord(
+                model.project, model.name, step, SPLIT_TRAIN, {**group_metrics(groups), **metrics},
+                groups, model.base_model, md.checkpoint(step)))
             emit({"phase": "done", "step": step, "metrics": metrics})
             return TrainResult(step=step, metrics=metrics)
         finally:
@@ -235,6 +244,19 @@ class LocalBackend:
         metrics["save_seconds"] = time.perf_counter() - t0
         trainer.save_optimizer(md.optimizer, checkpoint=step)
         return {k: float(v) for k, v in metrics.items()}
+
+    async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                  split: str = "val") -> None:
+        """Record groups that are not trained on (e.g. validation) at the model's current step:
+        in `<model>/<split>/` and in the configured loggers."""
+        if split == SPLIT_TRAIN:
+            raise ValueError("train groups are logged by train(); use another split, e.g. 'val'")
+        groups = check_groups(groups)
+        step = await self.get_step(model)
+        md = self._dir(model)
+        self.loggers.log_step(StepRecord(model.project, model.name, step, split,
+                                         group_metrics(groups), groups, model.base_model,
+                                         md.checkpoint(step)))
 
     async def replay_interrupted(self, model: TrainableModel,
                                  config: TrainConfig | None = None) -> list[TrainResult]:

@@ -1,0 +1,119 @@
+"""A real run directory for the observability tests, without vLLM: a `LocalBackend` whose engine
+is a stand-in (training needs only sleep / wake / load_adapter from it), the real trainer on the
+tiny random llama, and groups shaped like an agent's (tool calls, RULER explanations, failures).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_core.loggers import Logger
+from art_core.trajectory import RolloutError
+
+CONFIG = TrainConfig(learning_rate=1e-2, bf16=False)
+
+
+class StubEngine:
+    """Stands in for the vLLM engine: the backend's train path only sleeps, wakes and loads."""
+
+    def __init__(self, served_name: str) -> None:
+        self.served_name = served_name
+        self.adapters: dict[str, Path] = {}
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        self.adapters[name] = Path(path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+
+async def make_backend(root: Path, base: Path, name: str = "agent", project: str = "demo",
+                       loggers: list[Logger] | None = None) -> tuple[LocalBackend, TrainableModel]:
+    """A LocalBackend on `root` with model `project/name` at step 0, ready to train."""
+    backend = LocalBackend(root, loggers=loggers)
+    model = TrainableModel(name=name, project=project, base_model=str(base))
+    backend._engines[model.base_model] = StubEngine(model.base_model)  # type: ignore[assignment]
+    md = backend._dir(model)
+    md.write_model_json({"name": name, "project": project, "base_model": model.base_model,
+                         "lora": model.config.lora.model_dump()})
+    tmp = md.temp_checkpoint(0)
+    backend._trainer(model).save_adapter(tmp)
+    md.commit_checkpoint(tmp, 0)
+    model._backend = backend  # what model.register does, minus starting an engine
+    return backend, model
+
+
+def tokenizer(backend: LocalBackend, model: TrainableModel) -> Any:
+    return backend._trainer(model).tokenizer
+
+
+def agent_trajectory(tok: Any, city: str, answer: str, reward: float, step: int,
+                     explanation: str) -> Trajectory:
+    """system, user, assistant tool call (sampled), tool result, assistant answer (sampled)."""
+    call = {"id": f"call_{city}", "type": "function",
+            "function": {"name": "lookup", "arguments": json.dumps({"city": city})}}
+    p1 = tok.encode(f"What is the weather in {city}?")
+    c1 = tok.encode(f'<tool_call> {{"name": "lookup", "arguments": {{"city": "{city}"}}}}')
+    tool_text = f'{{"temperature": 21, "city": "{city}"}}'
+    p2 = p1 + c1 + tok.encode(tool_text)
+    c2 = tok.encode(answer)
+    return Trajectory(
+        messages=[{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": f"What is the weather in {city}?"},
+                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": call["id"], "content": tool_text},
+                  {"role": "assistant", "content": answer}],
+        tools=[{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+        turns=[{"message_index": 2, "prompt_token_ids": p1, "completion_token_ids": c1,
+                "logprobs": [-1.0] * len(c1), "step": step, "response_id": f"r1-{city}-{reward}",
+                "started_at": 1_700_000_000.0 + step, "latency_s": 0.25,
+                "finish_reason": "tool_calls"},
+               {"message_index": 4, "prompt_token_ids": p2, "completion_token_ids": c2,
+                "logprobs": [-1.5] * len(c2), "step": step, "response_id": f"r2-{city}-{reward}",
+                "started_at": 1_700_000_000.5 + step, "latency_s": 0.5,
+                "finish_reason": "stop"}],
+        reward=reward, metrics={"tool_calls": 1, "ruler_score": reward},
+        metadata={"city": city},
+        logs=[f"RULER judge [listwise]: score {reward:.3f}: {explanation}"])
+
+
+def agent_groups(tok: Any, step: int) -> list[TrajectoryGroup]:
+    """Two groups: one with reward variance (trained) and one all-zero (no signal)."""
+    good = TrajectoryGroup(
+        trajectories=[
+            agent_trajectory(tok, "Paris", "It is 21 degrees in Paris.", 1.0, step,
+                             "Called the tool and answered with its result."),
+            agent_trajectory(tok, "Paris", "No idea.", 0.0, step, "Ignored the tool result."),
+            agent_trajectory(tok, "Paris", "Warm, I think.", 0.5, step, "Vague answer."),
+        ],
+        exceptions=[RolloutError(type="TimeoutError", message="tool lookup timed out",
+                                 traceback="Traceback ...\nTimeoutError: tool lookup timed out")],
+        metadata={"scenario": "paris"})
+    zero = TrajectoryGroup(trajectories=[
+        agent_trajectory(tok, "Rome", "Cold.", 0.0, step, "Wrong."),
+        agent_trajectory(tok, "Rome", "Hot.", 0.0, step, "Also wrong."),
+    ], metadata={"scenario": "rome"})
+    return [good, zero]
+
+
+async def train_steps(backend: LocalBackend, model: TrainableModel, steps: int = 2,
+                      val: bool = True) -> list[dict[str, float]]:
+    """Train `steps` real steps on agent groups (and log a val group after each)."""
+    tok = tokenizer(backend, model)
+    out = []
+    for _ in range(steps):
+        step = await model.get_step()
+        result = await backend.train(model, agent_groups(tok, step), CONFIG)
+        out.append(result.metrics)
+        if val:
+            await model.log(agent_groups(tok, result.step)[:1], split="val")
+    return out
