@@ -140,10 +140,13 @@ def _sky() -> Any:
 
 
 def build_task(cfg: LaunchConfig, api_key: str) -> Any:
-    """The `sky.Task`, parsed and validated by SkyPilot itself (schema, resources, names)."""
+    """The `sky.Task`, parsed and checked by SkyPilot itself: its task and resources YAML
+    schemas (`Task.from_yaml_config`), the task name and run script. Accelerator names are
+    checked against SkyPilot's catalog, which it downloads, by `sky.launch` itself."""
     sky = _sky()
     task = sky.Task.from_yaml_config(task_config(cfg, api_key))
-    task.validate(skip_file_mounts=True, skip_workdir=True)
+    task.validate_name()
+    task.validate_run()
     return task
 
 

@@ -1,5 +1,5 @@
-"""`art launch`: the SkyPilot task is parsed and validated by the real `sky` library (its YAML
-schema and `Task.validate`), the install hint shows without the extra, and `art serve`'s idle
+"""`art launch`: the SkyPilot task is parsed and validated by the real `sky` library (its task
+and resources YAML schemas, name and run checks), the install hint shows without the extra, and `art serve`'s idle
 exit (what lets SkyPilot's auto-stop fire) works. No cloud is contacted."""
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ KEY = "k" * 43
 def test_sky_parses_and_validates_the_task(cfg):
     import sky
 
-    task = build_task(cfg, KEY)  # sky.Task.from_yaml_config + Task.validate
+    # sky.Task.from_yaml_config (task + resources schemas) and the name/run checks; the full
+    # Task.validate() also resolves accelerators in SkyPilot's catalog, which it downloads
+    # from the network (not reachable here), so sky.launch does that part
+    task = build_task(cfg, KEY)
     assert isinstance(task, sky.Task)
     # the same task survives SkyPilot's YAML round trip (what `sky launch task.yaml` reads)
     again = sky.Task.from_yaml_str(yaml.safe_dump(task_config(cfg, KEY)))
