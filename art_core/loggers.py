@@ -172,7 +172,7 @@ class Loggers:
             if n == 1:
                 log.warning("logger %s failed (%s: %s: %s); training goes on, later failures "
                             "of this logger are not reported", logger.name, what,
-                            type(e).__name__, e)
+                            type(e).__name__, str(e)[:300])
 
     def log_step(self, record: StepRecord) -> None:
         """Hand one step to every logger. Returns at once for the optional ones."""

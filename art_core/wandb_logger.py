@@ -6,7 +6,7 @@ a table per step, checkpoints optionally as artifacts.
 - Metrics: `train/<metric>` and `val/<metric>` with `training_step` as their x axis (W&B's own
   step only grows, and a val log comes after the train log of the same step).
 - Tables: `<split>/trajectories`, one row per trajectory (group, reward, messages, metrics,
-  RULER's explanation); `<split>/exceptions` when rollouts failed.
+  RULER's explanation); `<split>/failed_rollouts` when rollouts failed.
 - Checkpoints (`log_checkpoints=True`): the step's adapter directory as an artifact
   `<model>-lora`, aliases `step-<n>` and `latest`.
 
@@ -111,7 +111,7 @@ class WandbLogger(Logger):
             exc = wandb.Table(columns=["step", "group", "type", "message", "traceback"])
             for gi, e in failed:
                 exc.add_data(record.step, gi, e.type, e.message, e.traceback)
-            data[f"{record.split}/exceptions"] = exc
+            data[f"{record.split}/failed_rollouts"] = exc
         run.log(data)
         if self.log_checkpoints and record.split == "train" and record.checkpoint is not None \
                 and Path(record.checkpoint).is_dir():
