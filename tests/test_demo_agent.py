@@ -48,9 +48,12 @@ def episode(call_arg: str | None, answer: str) -> list:
     (Q.country, f"The capital is {ROW['capital'].upper()}", 1.0, 1.0),     # case-insensitive
     ("Atlantis", f"The capital is {ROW['capital']}.", 0.8, 1.0),           # right without lookup
     (Q.country, "I do not know.", 0.2, 0.0),                               # looked up, no answer
-    (Q.country, f"{Q.country}: " + "; ".join(ROW.values()), 0.2, 0.0),     # echoing the record
+    (Q.country, f"{Q.country}: " + "; ".join(ROW.values()), 0.2 + 0.8 / 3, 0.0),  # echo: 1/3
+    (Q.country, f"It is {ROW['capital']}, paid in {ROW['currency']}.", 0.2 + 0.4, 0.0),  # 1/2
+    (Q.country, f"The currency is {ROW['currency']}.", 0.2, 0.0),        # another value only
     (None, "No idea.", 0.0, 0.0),
-], ids=["right", "case", "no-lookup", "looked-up-only", "echo", "nothing"])
+], ids=["right", "case", "no-lookup", "looked-up-only", "echo", "one-extra", "wrong-value",
+        "nothing"])
 def test_reward_checks_the_answer_not_the_form(call_arg, answer, reward, success):
     parts = score(episode(call_arg, answer), Q)
     assert parts["reward"] == pytest.approx(reward) and parts["success"] == success
