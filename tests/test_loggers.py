@@ -306,7 +306,7 @@ def _failing_loggers(kind: str, tmp_path: Path) -> tuple[Logger, Any]:
         return LangfuseLogger(_key("500"), "sk", r.url), r
     if kind == "wandb-unreachable":
         return WandbLogger(project="p", dir=tmp_path / "wb", mode="online",
-                           init_timeout_s=10), None
+                           init_timeout_s=5), None
     raise AssertionError(kind)
 
 
@@ -377,3 +377,65 @@ def test_import_art_core_loads_no_sdk() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"WANDB_MODE": "offline", "PATH": ""})
     assert out.stdout.strip() == "[]"
+
+
+# ---- where the timing comes from: the gateway measures each model call -----------------------
+
+async def test_gateway_records_start_and_latency_of_each_call(tmp_path) -> None:
+    """A stand-in for vLLM's server answers after 0.2 s; the gateway's response and its ledger
+    carry the call's start time and latency, and `add_completion` keeps them in the turn."""
+    import httpx
+
+    from art_core import Trajectory
+    from art_core.engine import VLLMEngine
+    from art_core.gateway import Gateway, ServedModel
+
+    class Upstream(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None: ...
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(0.2)
+            body = json.dumps({
+                "id": "chatcmpl-1", "object": "chat.completion", "model": "m@0",
+                "prompt_token_ids": [1, 2, 3], "created": 0,
+                "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [4, 5],
+                             "message": {"role": "assistant", "content": "hi"},
+                             "logprobs": {"content": [{"token": "h", "logprob": -0.1},
+                                                      {"token": "i", "logprob": -0.2}]}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    gw = Gateway()
+    engine = VLLMEngine(str(tmp_path), served_name="base")
+    engine.port = upstream.server_address[1]
+    engine.adapters = {"m@0": str(tmp_path)}
+    gw.add_engine(engine)
+    gw.models["m"] = ServedModel("m", engine, checkpoints={0: tmp_path}, latest=0)
+    try:
+        before = time.time()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gw.app),
+                                     base_url="http://gw") as client:
+            r = await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hello"}]})
+        after = time.time()
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+        await gw.aclose()
+    data = r.json()
+    assert r.status_code == 200, data
+    assert before <= data["art_started_at"] <= before + 0.1
+    assert 0.2 <= data["art_latency_s"] <= after - before
+    rec = gw.ledger["chatcmpl-1"]
+    assert (rec["started_at"], rec["latency_s"]) == (data["art_started_at"], data["art_latency_s"])
+    traj = Trajectory(messages=[{"role": "user", "content": "hello"}])
+    traj.add_completion(data)
+    assert traj.turns[0].started_at == data["art_started_at"]
+    assert traj.turns[0].latency_s == data["art_latency_s"]

@@ -174,3 +174,28 @@ def test_page_lists_steps_opens_a_group_and_shows_trajectories(server: str,
     assert len(set(tops)) == 1
     shot = browser.screenshot(SCREENSHOT)
     assert shot.stat().st_size > 10_000
+
+
+def test_art_view_command_serves_the_run_and_refuses_a_missing_dir(run_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "art_core.cli", "view"]
+    missing = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    proc = subprocess.Popen([*cmd, str(run_dir), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.split("art view: ", 1)[1].split()[0].rstrip("/")
+        assert url.startswith("http://127.0.0.1:")
+        status, body = get(url + "/api/models")
+        assert status == 200 and json.loads(body)[0]["name"] == "agent"
+        status, page = get(url + "/")
+        assert status == 200 and b"<title>art view</title>" in page
+    finally:
+        proc.terminate()
+        proc.wait(10)
