@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.loggers import Logger
+from art_core.loggers import Logger, Loggers
 from art_core.trajectory import RolloutError
 
 CONFIG = TrainConfig(learning_rate=1e-2, bf16=False)
@@ -39,7 +39,9 @@ class StubEngine:
 async def make_backend(root: Path, base: Path, name: str = "agent", project: str = "demo",
                        loggers: list[Logger] | None = None) -> tuple[LocalBackend, TrainableModel]:
     """A LocalBackend on `root` with model `project/name` at step 0, ready to train."""
-    backend = LocalBackend(root, loggers=loggers)
+    backend = LocalBackend(root)
+    # exactly the loggers given: a developer's WANDB_* / LANGFUSE_* must not reach the tests
+    backend.loggers = Loggers(backend.root, loggers, from_env=False)
     model = TrainableModel(name=name, project=project, base_model=str(base))
     backend._engines[model.base_model] = StubEngine(model.base_model)  # type: ignore[assignment]
     md = backend._dir(model)
