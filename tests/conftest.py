@@ -19,11 +19,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny random models, llama and qwen3 architectures (~1 s each)."""
-    from art_core.tiny import build_tiny_model
+    """Tiny random models of each family in art_core.tiny.ARCHS (~1 s each)."""
+    from art_core.tiny import ARCHS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}
+    return {arch: build_tiny_model(root / arch, arch) for arch in ARCHS}
 
 
 @pytest.fixture(scope="session")

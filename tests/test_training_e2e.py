@@ -1,4 +1,5 @@
-"""Training end to end on the real vLLM engine with tiny random models (llama and qwen3)."""
+"""Training end to end on the real vLLM engine with tiny random models of each family (Llama,
+Qwen 3, Qwen 2.5, Gemma 3): vLLM serving, a LoRA step, the hot-swapped adapter serving."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.gather import gather_trajectory_groups
+from art_core.tiny import ARCHS
 from art_core.train.batch import build_sequences
 from tests.conftest import tiny_config
 
@@ -43,7 +45,7 @@ def lora_state(backend, model: TrainableModel, step: int) -> dict[str, torch.Ten
     return load_file(str(backend.checkpoint_dir(model, step) / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 async def test_register_rollout_train_two_steps(backend, tiny_models, arch):
     model = TrainableModel(name=f"e2e-{arch}", project="e2e",
                            base_model=str(tiny_models[arch]), config=tiny_config())
