@@ -13,8 +13,10 @@ For every request it
 5. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
    grammar of the hermes call form and returns them as `tool_calls` (art_core/tool_calls.py).
 
-It runs in its own thread and event loop (`GatewayServer`) so that user code which blocks its
-own loop (a sync LangGraph `invoke`) cannot stall inference.
+It runs in its own thread and event loop (`GatewayServer`, art_core/gateway_server.py) so that
+user code which blocks its own loop (a sync LangGraph `invoke`) cannot stall inference. What a
+ledger record holds, and how a streamed response is accumulated into one:
+art_core/gateway_ledger.py.
 """
 
 from __future__ import annotations
@@ -23,23 +25,22 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from art_core.engine import EngineError, VLLMEngine
+from art_core.gateway_ledger import accumulate, record_of, record_of_stream
 from art_core.tool_calls import ToolCallError, plan_tools, stream_chunks
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def openai_error(status: int, message: str, type_: str | None = None,
@@ -302,7 +303,7 @@ class Gateway:
                     data = plan.convert(data)
                 data["art_started_at"] = started_at
                 data["art_latency_s"] = round(time.time() - started_at, 6)
-                self._record(_record_of(data, requested, route, chat))
+                self._record(record_of(data, requested, route, chat))
                 if body.get("stream"):  # strict tools, streamed: the finished response, chunked
                     return _sse(stream_chunks(data, _include_usage(body)))
                 return JSONResponse(data)
@@ -334,7 +335,7 @@ class Gateway:
                     if line.startswith("data: {"):
                         with contextlib.suppress(ValueError):
                             chunk = json.loads(line[6:])
-                            _accumulate(acc, chunk, chat)
+                            accumulate(acc, chunk, chat)
                             chunk["model"] = route.public
                             if chat:  # clients that merge deltas (langchain) keep the id
                                 for c in chunk.get("choices") or []:
@@ -343,7 +344,7 @@ class Gateway:
                             line = "data: " + json.dumps(chunk, separators=(",", ":"))
                     yield (line + "\n\n").encode()
                 if acc["id"] is not None:
-                    self._record(dict(_record_of_stream(acc, requested, route),
+                    self._record(dict(record_of_stream(acc, requested, route),
                                       started_at=started_at,
                                       latency_s=round(time.time() - started_at, 6)))
             finally:
@@ -410,109 +411,3 @@ def _include_usage(body: dict[str, Any]) -> bool:
 def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
     lines = [f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks]
     return StreamingResponse(iter([*lines, "data: [DONE]\n\n"]), media_type="text/event-stream")
-
-
-def _logprob_list(choice: dict[str, Any], chat: bool) -> list[float]:
-    lp = choice.get("logprobs") or {}
-    if chat:
-        return [t["logprob"] for t in lp.get("content") or []]
-    return list(lp.get("token_logprobs") or [])
-
-
-def _record_of(data: dict[str, Any], requested: str, route: Route, chat: bool
-               ) -> dict[str, Any]:
-    return {
-        "id": data["id"], "model": requested, "served": route.public, "step": route.step,
-        "prompt_token_ids": data.get("prompt_token_ids"),
-        "started_at": data.get("art_started_at"), "latency_s": data.get("art_latency_s"),
-        "choices": [
-            {"index": c.get("index", i), "token_ids": c.get("token_ids") or [],
-             "logprobs": _logprob_list(c, chat), "finish_reason": c.get("finish_reason")}
-            for i, c in enumerate(data.get("choices") or [])
-        ],
-    }
-
-
-def _accumulate(acc: dict[str, Any], chunk: dict[str, Any], chat: bool) -> None:
-    acc["id"] = acc["id"] or chunk.get("id")
-    if chunk.get("prompt_token_ids") is not None:
-        acc["prompt_token_ids"] = chunk["prompt_token_ids"]
-    for c in chunk.get("choices") or []:
-        slot = acc["choices"].setdefault(
-            c.get("index", 0), {"token_ids": [], "logprobs": [], "finish_reason": None})
-        slot["token_ids"] += c.get("token_ids") or []
-        slot["logprobs"] += _logprob_list(c, chat)
-        if c.get("prompt_token_ids") is not None:  # /v1/completions puts it per choice
-            acc["prompt_token_ids"] = c["prompt_token_ids"]
-        slot["finish_reason"] = c.get("finish_reason") or slot["finish_reason"]
-
-
-def _record_of_stream(acc: dict[str, Any], requested: str, route: Route) -> dict[str, Any]:
-    return {
-        "id": acc["id"], "model": requested, "served": route.public, "step": route.step,
-        "prompt_token_ids": acc["prompt_token_ids"],
-        "choices": [dict(index=i, **c) for i, c in sorted(acc["choices"].items())],
-    }
-
-
-class GatewayServer:
-    """Runs a `Gateway` with uvicorn in a thread of its own, with its own event loop."""
-
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.gateway = gateway
-        self.host = host
-        self.port = port
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def start(self, timeout: float = 30.0) -> None:
-        import uvicorn
-
-        from art_core.engine import free_port
-
-        self.port = self.port or free_port()
-        config = uvicorn.Config(self.gateway.app, host=self.host, port=self.port,
-                                log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
-        started = threading.Event()
-
-        def run() -> None:
-            self.loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(self.loop)
-            self.loop.call_soon(started.set)
-            self.loop.run_until_complete(self._server.serve())
-            self.loop.run_until_complete(self.gateway.aclose())
-
-        self._thread = threading.Thread(target=run, name="art-gateway", daemon=True)
-        self._thread.start()
-        started.wait(timeout)
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"the gateway did not start on {self.host}:{self.port}")
-            time.sleep(0.02)
-
-    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run `fn()` in the gateway's loop and await its result from any loop."""
-        assert self.loop is not None, "gateway not started"
-        try:
-            if asyncio.get_running_loop() is self.loop:
-                return await fn()
-        except RuntimeError:
-            pass
-
-        async def runner() -> T:
-            return await fn()
-
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(runner(), self.loop))
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)

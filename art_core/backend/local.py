@@ -26,7 +26,8 @@ from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.base_models import resolve_base_model
 from art_core.config import TrainConfig
 from art_core.engine import VLLMEngine
-from art_core.gateway import Gateway, GatewayServer
+from art_core.gateway import Gateway
+from art_core.gateway_server import GatewayServer
 from art_core.loggers import SPLIT_TRAIN, Logger, Loggers, StepRecord, group_metrics
 from art_core.model import TrainableModel
 from art_core.storage import ModelDir
