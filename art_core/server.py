@@ -35,237 +35,71 @@ Why it is shaped like this:
   chat-template path from a client (`engine.extra_args`, `engine.chat_template`: they name
   server files and switches such as `--trust-remote-code`) are refused unless the server was
   started with `--allow-engine-args`.
+
+The parts, one concern each:
+    art_core/server.py          the app, its routes and shutdown; the uvicorn server (`serve`)
+    art_core/server_models.py   register, latest step, checkpoint lists, deletion, downloads
+    art_core/server_jobs.py     training steps as jobs: TrainJob, its event relay, retries
+    art_core/server_guard.py    API key, body size, last-resort errors (ASGI middleware)
+    art_core/server_errors.py   ApiError and the JSON error shape
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
-import hmac
 import json
 import logging
 import math
 import os
-import re
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from art_core.backend.local import LocalBackend
 from art_core.backend.remote import API_PREFIX, bind_refusal
-from art_core.config import TrainConfig
 from art_core.engine import EngineError
 from art_core.gateway import Gateway
 from art_core.model import TrainableModel, validate_name
-from art_core.storage import ModelDir, append_jsonl, read_jsonl
-from art_core.trajectory import TrajectoryGroup
+from art_core.server_errors import (
+    ApiError,
+    BodyTooLarge,
+    error_response,
+    size_text,
+    validation_message,
+)
+from art_core.server_guard import Guard
+from art_core.server_jobs import JOB_ID, TrainingJobs, TrainJob
+from art_core.server_models import ModelOperations
+from art_core.storage import ModelDir
 
 log = logging.getLogger("art_core.server")
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
-PUBLIC_PATHS = frozenset({"/health"})
-_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_JOB_ID = re.compile(r"[0-9a-f]{32}")
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                 409: "conflict_error", 413: "invalid_request_error",
-                 422: "invalid_request_error", 503: "service_unavailable"}
-
-
-# ---- errors ----------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error meant for the client: its message is shown as it is."""
-
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-
-class BodyTooLarge(StarletteHTTPException):
-    """Raised from `receive` when a streamed body passes the limit (FastAPI re-raises
-    HTTPExceptions untouched, so this reaches our handler as a 413)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than the server's limit of "
-                              f"{_size(limit)} (art serve --max-body-mb)")
-
-
-def error_response(status: int, message: str, code: str | int | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None
-                   ) -> JSONResponse:
-    """The OpenAI error shape, the same as the gateway's `openai_error`."""
-    return JSONResponse(
-        {"error": {"message": message, "type": _STATUS_TYPES.get(status, "server_error"),
-                   "param": param, "code": code if code is not None else status}},
-        status_code=status, headers=headers)
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
-
-
-def _validation_message(e: ValidationError, where: str) -> str:
-    """A short, one-line account of a pydantic error (first few problems, no doc links)."""
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        parts.append(f"{where}{'.' + loc if loc else ''}: {err.get('msg')}")
-    more = len(e.errors()) - 5
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
-# ---- the ASGI guard: auth, body size, last-resort errors ---------------------------------------
-
-
-class Guard:
-    """Pure ASGI middleware (streams pass through untouched) in front of every route.
-
-    Order matters: an unauthenticated request is refused before its body is read; a body whose
-    Content-Length is over the limit is refused before it is read; a chunked body is counted
-    as it arrives. An exception that escapes a route becomes a 500 with an error id.
-    """
-
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS:
-            given = headers.get("authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                                      self.api_key):
-                message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
-                           else "invalid API key")
-                await error_response(401, message, "invalid_api_key",
-                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.strip().isdigit():
-                await error_response(400, "invalid Content-Length header")(scope, receive, send)
-                return
-            if int(length) > self.max_body_bytes:
-                await error_response(413, BodyTooLarge(self.max_body_bytes).detail,
-                                     "body_too_large")(scope, receive, send)
-                return
-
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge as e:
-            if not started:
-                await error_response(413, str(e.detail), "body_too_large")(scope, receive, send)
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("unhandled error %s in %s %s", error_id, scope.get("method"),
-                          scope.get("path"))
-            if not started:
-                await error_response(
-                    500, f"internal server error (error id {error_id}; details are in the "
-                    "server's log)", "internal_error")(scope, receive, send)
-
-
-# ---- training jobs --------------------------------------------------------------------------
-
-
-@dataclass
-class TrainJob:
-    """One training step running on the server, and the events it has produced so far."""
-
-    id: str
-    project: str
-    name: str
-    request_id: str | None
-    events: list[dict[str, Any]] = field(default_factory=list)
-    status: str = "queued"  # queued | running | done | failed
-    created: float = field(default_factory=time.time)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def finished(self) -> bool:
-        return self.status in ("done", "failed")
-
-    def emit(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()  # wakes every relay waiting on the old event
-
-    def progress(self, event: dict[str, Any]) -> None:
-        """LocalBackend.train's progress callback (called in the event loop)."""
-        self.emit({"event": "progress", **event})
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "project": self.project, "name": self.name,
-                               "status": self.status, "created": self.created,
-                               "events": self.events[-50:]}
-        last = self.events[-1] if self.events else {}
-        if last.get("event") in ("result", "error"):
-            out[last["event"]] = {k: v for k, v in last.items() if k != "event"}
-        return out
-
-    async def relay(self, keepalive_s: float) -> AsyncIterator[bytes]:
-        """All events so far, then new ones as they come; a keep-alive line when quiet.
-        Cancelled when the client goes away; the job itself goes on."""
-        i = 0
-        while True:
-            changed = self._changed  # taken before reading: no event can slip between
-            while i < len(self.events):
-                yield (json.dumps(self.events[i], separators=(",", ":")) + "\n").encode()
-                i += 1
-            if self.finished:
-                return
-            try:
-                await asyncio.wait_for(changed.wait(), keepalive_s)
-            except TimeoutError:
-                yield b'{"event":"keepalive"}\n'
 
 
 # ---- the server ------------------------------------------------------------------------------
 
 
-class ArtServer:
-    """The app and the state behind it: a `LocalBackend` whose gateway runs in this loop."""
+class ArtServer(ModelOperations, TrainingJobs):
+    """The app and the state behind it: a `LocalBackend` whose gateway runs in this loop.
+
+    The model operations are in art_core/server_models.py, the training jobs in
+    art_core/server_jobs.py; the app, its routes, its shutdown and the helpers they share
+    are here."""
 
     def __init__(self, root: str | Path = ".art", *, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0,
@@ -381,7 +215,7 @@ class ArtServer:
         if isinstance(e, ApiError):
             return e
         if isinstance(e, ValidationError):
-            return ApiError(400, _validation_message(e, what))
+            return ApiError(400, validation_message(e, what))
         if isinstance(e, ValueError | TypeError | FloatingPointError):
             return ApiError(400, f"{what}: {self._scrub(str(e))}")
         error_id = uuid.uuid4().hex[:12]
@@ -408,249 +242,6 @@ class ArtServer:
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_name") from None
 
-    def _existing(self, project: str, name: str) -> ModelDir:
-        md = self._model_dir(project, name)
-        if not md.path.is_dir():
-            raise ApiError(404, f"model {project}/{name} does not exist on this server: "
-                           "register it first", "model_not_found")
-        return md
-
-    @staticmethod
-    def _parse_step(step: str) -> int:
-        if not step.isdigit() or len(step) > 9:
-            raise ApiError(400, f"invalid step {step!r}: a non-negative integer", "invalid_step")
-        return int(step)
-
-    # ---- operations ------------------------------------------------------------------------
-
-    async def register(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object (a TrainableModel)")
-        spec = {k: v for k, v in body.items() if k not in ("base_url", "api_key")}
-        try:
-            model = TrainableModel.model_validate(spec)
-        except ValidationError as e:
-            raise ApiError(400, _validation_message(e, "model")) from None
-        self._check_allowed(model)
-        key = (model.project, model.name)
-        # The gateway serves models by name alone, so one name belongs to one project.
-        owner = self._names.setdefault(model.name, model.project)
-        if owner != model.project:
-            raise ApiError(409, f"model name {model.name!r} is already served for project "
-                           f"{owner!r}; served names are unique across projects",
-                           "name_conflict")
-        try:
-            # a task of its own, shielded: a client that goes away does not cut it in half
-            await asyncio.shield(self._spawn(self._register(model)))
-        except Exception as e:
-            if key not in self.models:
-                self._names.pop(model.name, None)
-            raise self._client_error(e, "register") from None
-        steps = self._model_dir(*key).steps()
-        return {"name": model.name, "project": model.project, "base_model": model.base_model,
-                "step": steps[-1] if steps else 0}
-
-    def _check_allowed(self, model: TrainableModel) -> None:
-        """Refuse what the operator did not allow clients to make this host load or run."""
-        if self.base_models and not any(fnmatch.fnmatchcase(model.base_model, pattern)
-                                        for pattern in self.base_models):
-            raise ApiError(403, f"base_model {model.base_model!r} is not allowed on this server;"
-                           f" allowed: {list(self.base_models)} (art serve --allow-base-model)",
-                           "base_model_not_allowed")
-        engine = model.config.engine
-        refused = [f for f, v in (("engine.extra_args", engine.extra_args),
-                                  ("engine.chat_template", engine.chat_template)) if v]
-        if refused and not self.allow_engine_args:
-            raise ApiError(403, f"{' and '.join(refused)} pass vLLM flags or server file paths; "
-                           "this server refuses them from clients (start it with "
-                           "--allow-engine-args to allow them)", "engine_args_not_allowed")
-
-    async def _register(self, model: TrainableModel) -> None:
-        async with self._lock(model.project, model.name):
-            await self.backend.register(model)
-            self.models[(model.project, model.name)] = model
-
-    def get_step(self, project: str, name: str) -> dict[str, Any]:
-        md = self._existing(project, name)
-        steps = md.steps()
-        if not steps:
-            raise ApiError(404, f"model {project}/{name} has no checkpoint: register it",
-                           "model_not_found")
-        return {"step": steps[-1]}
-
-    def list_checkpoints(self, project: str, name: str) -> dict[str, Any]:
-        md = self._existing(project, name)
-        steps = md.steps()
-        metrics: dict[int, dict[str, float]] = {}
-        with contextlib.suppress(OSError, ValueError):
-            for row in md.read_history():
-                if isinstance(row.get("step"), int):
-                    metrics[row["step"]] = {k: float(v) for k, v in row.items() if k != "step"
-                                            and isinstance(v, int | float)
-                                            and not isinstance(v, bool)}
-        return {"latest": steps[-1] if steps else None,
-                "checkpoints": [{"step": s, "metrics": metrics.get(s, {})} for s in steps]}
-
-    async def delete_checkpoints(self, project: str, name: str, metric: str) -> dict[str, Any]:
-        if not isinstance(metric, str) or not 0 < len(metric) <= 128:
-            raise ApiError(400, "best_checkpoint_metric must be a metric name (1-128 chars)")
-        self._existing(project, name)
-        model = self.models.get((project, name)) or TrainableModel(name=name, project=project)
-        async with self._lock(project, name):  # never while a step of this model is saving
-            deleted = await self.backend.delete_checkpoints(model, metric)
-        return {"deleted": deleted}
-
-    def checkpoint_files(self, project: str, name: str, step: str) -> tuple[Path, list[Path]]:
-        md = self._existing(project, name)
-        s = self._parse_step(step)
-        if s not in md.steps():
-            raise ApiError(404, f"model {project}/{name} has no checkpoint {s}; steps: "
-                           f"{md.steps()}", "checkpoint_not_found")
-        d = md.checkpoint(s)
-        files = sorted(p for p in d.iterdir() if p.is_file() and not p.is_symlink())
-        return d, files
-
-    async def start_training(self, project: str, name: str, body: Any) -> TrainJob:
-        key = (project, name)
-        self._model_dir(project, name)  # validates the names
-        if self.shutting_down:
-            raise ApiError(503, "the server is shutting down: no new training steps",
-                           "shutting_down")
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object: "
-                           '{"groups": [...], "config": {...}, "request_id": "..."}')
-        unknown = sorted(set(body) - {"groups", "config", "request_id"})
-        if unknown:
-            raise ApiError(400, f"unknown field(s) in the train request: {unknown}")
-        request_id = body.get("request_id")
-        if request_id is not None and (not isinstance(request_id, str)
-                                       or not _REQUEST_ID.fullmatch(request_id)):
-            raise ApiError(400, "request_id must be 1-64 letters, digits, '-' or '_'",
-                           param="request_id")
-        if request_id is not None:  # a retry of a request we have seen: re-attach
-            job_id = self._by_request.get((project, name, request_id))
-            if job_id is not None and job_id in self.jobs:
-                return self.jobs[job_id]
-            answered = await asyncio.to_thread(self._answered, project, name, request_id)
-            if answered is not None:  # trained before a restart: answer, do not train again
-                return self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
-                                              status="done"), [answered])
-        groups, config = await asyncio.to_thread(self._parse_groups, body)
-        model = self.models.get(key)
-        if model is None:
-            raise ApiError(409, f"model {project}/{name} is not registered with this server "
-                           "(since it started): register it first", "model_not_registered")
-        await asyncio.to_thread(self._check_token_ids, groups, model)
-        job = TrainJob(uuid.uuid4().hex, project, name, request_id)
-        self._add_job(job, [{"event": "accepted", "job": job.id, "groups": len(groups),
-                             "trajectories": sum(len(g) for g in groups)}])
-        self._spawn(self._run_job(job, model, groups, config))
-        return job
-
-    def _add_job(self, job: TrainJob, events: list[dict[str, Any]]) -> TrainJob:
-        self.jobs[job.id] = job
-        if job.request_id is not None:
-            self._by_request[(job.project, job.name, job.request_id)] = job.id
-        self._forget_old_jobs()
-        for event in events:
-            job.emit(event)
-        return job
-
-    def _answered(self, project: str, name: str, request_id: str) -> dict[str, Any] | None:
-        """The result event of a train request this model's directory says was answered."""
-        for row in reversed(read_jsonl(self._model_dir(project, name).requests)):
-            if row.get("request_id") == request_id and isinstance(row.get("step"), int):
-                return {"event": "result", "step": row["step"],
-                        "metrics": row.get("metrics") or {}, "replayed": True}
-        return None
-
-    def _parse_groups(self, body: dict[str, Any]) -> tuple[list[TrajectoryGroup], TrainConfig]:
-        """Validate the train request's groups and config; each problem is a 400 naming it."""
-        raw_groups = body.get("groups")
-        if not isinstance(raw_groups, list) or not raw_groups:
-            raise ApiError(400, "'groups' must be a non-empty list of trajectory groups",
-                           param="groups")
-        try:
-            config = TrainConfig.model_validate(body.get("config") or {})
-        except ValidationError as e:
-            raise ApiError(400, _validation_message(e, "config"), param="config") from None
-        groups = []
-        for i, g in enumerate(raw_groups):
-            try:
-                groups.append(TrajectoryGroup.model_validate(g))
-            except ValidationError as e:
-                raise ApiError(400, _validation_message(e, f"groups[{i}]"),
-                               param="groups") from None
-        for i, g in enumerate(groups):
-            for j, t in enumerate(g.trajectories):
-                if not t.trainable and not config.allow_retokenize:
-                    raise ApiError(400, f"groups[{i}].trajectories[{j}] has no sampled turn (no "
-                                   "token ids): nothing to train on. Record turns from the "
-                                   "gateway's responses, or set config.allow_retokenize",
-                                   param="groups")
-        return groups, config
-
-    def _check_token_ids(self, groups: list[TrajectoryGroup], model: TrainableModel) -> None:
-        vocab = self._vocab_size(model)
-        for i, g in enumerate(groups):
-            for j, t in enumerate(g.trajectories):
-                where = f"groups[{i}].trajectories[{j}]"
-                for h in t.histories():
-                    for turn in h.turns:
-                        ids = turn.prompt_token_ids + turn.completion_token_ids
-                        bad = [x for x in ids if x < 0 or (vocab is not None and x >= vocab)]
-                        if bad:
-                            size = f" of {vocab} tokens" if vocab is not None else ""
-                            raise ApiError(400, f"{where}: token id {bad[0]} is outside the "
-                                           f"model's vocabulary{size}", param="groups")
-
-    def _vocab_size(self, model: TrainableModel) -> int | None:
-        """The base model's embedding size, so out-of-range ids fail here and not in a CUDA
-        kernel (a device-side assert ruins the process)."""
-        if model.base_model not in self._vocab:
-            size = None
-            with contextlib.suppress(Exception):
-                from art_core.base_models import resolve_base_model
-
-                cfg = json.loads((Path(resolve_base_model(model.base_model)) / "config.json")
-                                 .read_text())
-                size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-            self._vocab[model.base_model] = int(size) if size else None
-        return self._vocab[model.base_model]
-
-    async def _run_job(self, job: TrainJob, model: TrainableModel,
-                       groups: list[TrajectoryGroup], config: TrainConfig) -> None:
-        lock = self._lock(job.project, job.name)
-        try:
-            if lock.locked():
-                job.emit({"event": "queued", "reason": "another step of this model is running"})
-            async with lock:
-                job.status = "running"
-                result = await self.backend.train(model, groups, config, progress=job.progress)
-                if job.request_id is not None:  # before the result: a retry must find it
-                    append_jsonl(self._model_dir(job.project, job.name).requests,
-                                 {"request_id": job.request_id, "step": result.step,
-                                  "metrics": result.metrics})
-            job.status = "done"
-            job.emit({"event": "result", "step": result.step, "metrics": result.metrics})
-        except BaseException as e:  # noqa: B036 - the job must always end with an event
-            err = self._client_error(e, f"training {job.project}/{job.name}") \
-                if isinstance(e, Exception) else ApiError(503, "training was cancelled")
-            job.status = "failed"
-            job.emit({"event": "error", "error": {
-                "message": err.message, "type": _STATUS_TYPES.get(err.status, "server_error"),
-                "param": err.param, "code": err.code or err.status}})
-            if not isinstance(e, Exception):
-                raise
-
-    def _forget_old_jobs(self) -> None:
-        while len(self.jobs) > self.max_jobs_kept:
-            old_id = next(iter(self.jobs))
-            if not self.jobs[old_id].finished:
-                break
-            old = self.jobs.pop(old_id)
-            if old.request_id is not None:
-                self._by_request.pop((old.project, old.name, old.request_id), None)
 
     # ---- routes ----------------------------------------------------------------------------
 
@@ -682,7 +273,7 @@ class ArtServer:
 
         @app.get(p + "/jobs/{job_id}")
         async def get_job(job_id: str) -> dict[str, Any]:
-            job = self.jobs.get(job_id) if _JOB_ID.fullmatch(job_id) else None
+            job = self.jobs.get(job_id) if JOB_ID.fullmatch(job_id) else None
             if job is None:
                 raise ApiError(404, f"no training job {job_id!r} (unknown or forgotten)",
                                "job_not_found")
@@ -771,7 +362,7 @@ async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int
     art = server.art
     log.info("art serve: run directory %s; OpenAI API at http://%s:%d/v1; control API at "
              "%s; API key %s; body limit %s", art.root, host, port, API_PREFIX,
-             "required" if art.api_key else "not set (loopback only)", _size(max_body_bytes))
+             "required" if art.api_key else "not set (loopback only)", size_text(max_body_bytes))
     watcher = None
     if idle_exit_minutes > 0:  # art_core/idle.py says why
         from art_core.idle import ActivityTracker, exit_when_idle

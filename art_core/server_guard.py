@@ -1,0 +1,92 @@
+"""The guard in front of every route of `art serve` (art_core/server.py): API key, body size,
+last-resort errors.
+
+ARCHITECTURE invariant 8: with an API key every route but /health needs
+`Authorization: Bearer <key>` (compared in constant time); a body is capped (Content-Length
+checked before reading, and counted while streaming); an exception that escapes a route
+returns a generic message with an error id, and its traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from art_core.server_errors import BodyTooLarge, error_response
+
+log = logging.getLogger("art_core.server")
+
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class Guard:
+    """Pure ASGI middleware (streams pass through untouched) in front of every route.
+
+    Order matters: an unauthenticated request is refused before its body is read; a body whose
+    Content-Length is over the limit is refused before it is read; a chunked body is counted
+    as it arrives. An exception that escapes a route becomes a 500 with an error id.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS:
+            given = headers.get("authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
+                                                                      self.api_key):
+                message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
+                           else "invalid API key")
+                await error_response(401, message, "invalid_api_key",
+                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                await error_response(400, "invalid Content-Length header")(scope, receive, send)
+                return
+            if int(length) > self.max_body_bytes:
+                await error_response(413, BodyTooLarge(self.max_body_bytes).detail,
+                                     "body_too_large")(scope, receive, send)
+                return
+
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge as e:
+            if not started:
+                await error_response(413, str(e.detail), "body_too_large")(scope, receive, send)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("unhandled error %s in %s %s", error_id, scope.get("method"),
+                          scope.get("path"))
+            if not started:
+                await error_response(
+                    500, f"internal server error (error id {error_id}; details are in the "
+                    "server's log)", "internal_error")(scope, receive, send)
