@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import KEY, Server, make_fake_run, start_server
+from tests.server_helpers import KEY, Server, make_fake_run, start_server
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ["torch", "vllm", "transformers", "fastapi", "uvicorn", "starlette", "litellm", "peft",

@@ -1,153 +1,41 @@
-"""`art serve` and `RemoteBackend`, against real server processes.
+"""`art serve` and `RemoteBackend` without an engine, against real server processes.
 
-Two servers per module, both real `art serve` subprocesses on 127.0.0.1 with an API key:
-- `light`: a run directory with a fake model on disk and no engine ever started (~2 s to
-  start): auth, limits, bad input, checkpoint listing/download/delete, start-up refusal.
-- `served` (marked `engine`): the tiny random llama on vLLM: register, rollouts through the
-  served OpenAI API, training steps, a client that disconnects mid-step, two clients training
-  one model, and SIGTERM during a step.
+`light`: a real `art serve` subprocess on 127.0.0.1 with an API key, over a run directory with
+a fake model on disk and no engine ever started (~2 s to start): auth, limits, bad input,
+checkpoint listing/download/delete, start-up refusal, the register policy.
+The same served with the tiny random llama on vLLM: test_server_engine.py.
 Clients use only `RemoteBackend`, the OpenAI client and raw HTTP.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import math
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.backend.remote import TRAIN_PHASES, RemoteBackend, RemoteBackendError
-
-KEY = "test-" + secrets.token_hex(16)
-BODY_LIMIT_MB = 1
-MSG = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-# ---- helpers (also used by test_remote_client_env.py) ------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    root: Path
-    log: Path
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-def start_server(root: Path, *, api_key: str | None = KEY, extra: tuple[str, ...] = (),
-                 python: str = sys.executable, timeout: float = 60.0) -> Server:
-    """`art serve` as a subprocess on a free loopback port; waits for /health."""
-    port = free_port()
-    log = root.parent / f"{root.name}-server-{port}.log"
-    env = {**os.environ, "ART_API_KEY": api_key or ""}
-    cmd = [python, "-m", "art_core.cli", "serve", "--path", str(root), "--port", str(port),
-           "--max-body-mb", str(BODY_LIMIT_MB), "--shutdown-grace", "60", *extra]
-    with log.open("wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL)
-    server = Server(proc, f"http://127.0.0.1:{port}", root, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"art serve exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"art serve did not become healthy:\n{server.log_tail()}")
-
-
-def make_fake_run(root: Path, project: str = "proj", name: str = "fake", steps: int = 3) -> Path:
-    """A model directory as LocalBackend writes it, with small fake adapter files (no engine
-    is needed to list, download or delete them)."""
-    md = root / project / "models" / name
-    for s in range(steps):
-        d = md / "checkpoints" / f"{s:04d}"
-        d.mkdir(parents=True)
-        (d / "adapter_config.json").write_text(json.dumps({"r": 8, "step": s}))
-        (d / "adapter_model.safetensors").write_bytes(os.urandom(4096 + s))
-    (md / "model.json").write_text(json.dumps({"name": name, "project": project,
-                                               "base_model": "tiny"}))
-    rows = [{"step": s, "reward_mean": r, "loss": 0.1} for s, r in [(1, 0.9), (2, 0.2)]][
-        : max(0, steps - 1)]
-    (md / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return md
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and directory under the run dir (engine logs aside) with size and mtime."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if "logs" not in p.relative_to(root).parts}
-
-
-def descendants(pid: int) -> set[int]:
-    """Child processes of `pid`, recursively, from /proc."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents[int(stat.parent.name)] = int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - out
-        out |= frontier
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def auth(key: str | None = KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-# ---- the light server: no engine -------------------------------------------------------------
+from art_core import TrainableModel
+from art_core.backend.remote import RemoteBackend, RemoteBackendError
+from tests.server_helpers import (
+    BODY_LIMIT_MB,
+    KEY,
+    MSG,
+    Server,
+    auth,
+    free_port,
+    make_fake_run,
+    snapshot,
+    start_server,
+    trajectory_json,
+)
 
 
 @pytest.fixture(scope="module")
@@ -244,14 +132,7 @@ def test_path_names_are_validated(light, project, name, status, suffix):
     assert snapshot(light.root) == before
 
 
-def _trajectory(reward: float = 1.0, turns: bool = True) -> dict[str, Any]:
-    msgs = [*MSG, {"role": "assistant", "content": "Paris"}]
-    turn = {"message_index": 1, "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5],
-            "logprobs": [-0.5, -0.25]}
-    return {"messages": msgs, "reward": reward, "turns": [turn] if turns else []}
-
-
-GOOD_GROUP = {"trajectories": [_trajectory(0.0), _trajectory(1.0)]}
+GOOD_GROUP = {"trajectories": [trajectory_json(0.0), trajectory_json(1.0)]}
 BAD_PAYLOADS = [
     ("not-json", b"{groups: [", "not valid JSON"),
     ("a-list", [1, 2], "JSON object"),
@@ -263,15 +144,15 @@ BAD_PAYLOADS = [
     ("bad-role", {"groups": [{"trajectories": [
         {"messages": [{"role": "robot", "content": "x"}]}]}]}, "role"),
     ("logprob-length", {"groups": [{"trajectories": [
-        dict(_trajectory(), turns=[{"message_index": 1, "prompt_token_ids": [1],
+        dict(trajectory_json(), turns=[{"message_index": 1, "prompt_token_ids": [1],
                                     "completion_token_ids": [2, 3], "logprobs": [-1.0]}])]}]},
      "same length"),
     ("turn-points-at-user", {"groups": [{"trajectories": [
-        dict(_trajectory(), turns=[dict(_trajectory()["turns"][0], message_index=0)])]}]},
+        dict(trajectory_json(), turns=[dict(trajectory_json()["turns"][0], message_index=0)])]}]},
      "assistant message"),
     ("nan-reward", b'{"groups": [{"trajectories": [{"messages": [], "reward": NaN}]}]}',
      "finite"),
-    ("untrainable", {"groups": [{"trajectories": [_trajectory(turns=False)]}]},
+    ("untrainable", {"groups": [{"trajectories": [trajectory_json(turns=False)]}]},
      "no sampled turn"),
     ("unknown-config-key", {"groups": [GOOD_GROUP], "config": {"learning_rat": 1}},
      "config.learning_rat"),
@@ -484,264 +365,3 @@ def test_sigterm_stops_an_idle_server_cleanly(tmp_path):
     assert code in (0, -signal.SIGTERM), server.log_tail()
     assert time.monotonic() - t0 < 15
     assert "Traceback" not in server.log.read_text()
-
-
-# ---- the real engine ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("served") / "run")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-async def remote(served) -> AsyncIterator[RemoteBackend]:
-    backend = RemoteBackend(served.url, api_key=KEY)
-    yield backend
-    await backend.close()
-
-
-@pytest.fixture(scope="module")
-async def model(remote, tiny_models) -> TrainableModel:
-    from tests.conftest import tiny_config
-
-    m = TrainableModel(name="srv-tiny", project="server", base_model=str(tiny_models["llama"]),
-                       config=tiny_config())
-    await m.register(remote)
-    return m
-
-
-def build_trajectory(messages: list[dict[str, Any]], response: Any, reward: float) -> Trajectory:
-    t = Trajectory(messages=list(messages), reward=reward)
-    t.add_completion(response)  # the assistant message + its exact sampled tokens
-    return t
-
-
-async def rollout_group(model: TrainableModel, n: int = 4, served_name: str | None = None
-                        ) -> TrajectoryGroup:
-    client = model.openai_client()
-
-    async def one(i: int) -> Trajectory:
-        msgs = [{"role": "user", "content": f"Count to {i + 1}."}]
-        r = await client.chat.completions.create(model=served_name or model.name,
-                                                 messages=msgs, max_tokens=8, temperature=1.0)
-        return build_trajectory(msgs, r, reward=float(i))  # distinct rewards: a signal
-
-    return TrajectoryGroup(trajectories=list(await asyncio.gather(*(one(i) for i in range(n)))))
-
-
-def no_tmp_left(served: Server, model: TrainableModel) -> bool:
-    cps = served.root / model.project / "models" / model.name / "checkpoints"
-    return not [p for p in cps.iterdir() if p.name.startswith(".tmp")]
-
-
-@pytest.mark.engine
-async def test_register_rollout_train_serve_download(served, remote, model, tmp_path):
-    assert model.base_url == served.url + "/v1" and model.api_key == KEY
-    assert await remote.get_step(model) == 0
-    group = await rollout_group(model)
-    assert all(t.turns[0].step == 0 for t in group)
-    phases: list[str] = []
-    result = await model.train([group], TrainConfig(learning_rate=1e-3))
-    assert result.step == 1 and math.isfinite(result.metrics["loss"])
-    assert result.metrics["trajectories_kept"] == 4
-    assert await remote.get_step(model) == 1
-
-    client = model.openai_client()
-    for name in (f"{model.name}@1", model.name):
-        r = await client.chat.completions.create(model=name, messages=MSG, max_tokens=2)
-        assert r.model == f"{model.name}@1" and r.model_extra["art_step"] == 1
-    ids = {m.id for m in (await client.models.list()).data}
-    assert {model.name, f"{model.name}@0", f"{model.name}@1"} <= ids
-
-    # progress events, as the bar sees them, on a second step
-    result = await remote.train(model, [await rollout_group(model)],
-                                TrainConfig(learning_rate=1e-3),
-                                progress=lambda e: phases.append(e["phase"]))
-    assert result.step == 2 and phases == list(TRAIN_PHASES)
-    answered = [json.loads(line) for line in (served.root / "server" / "models" / model.name /
-                                              "requests.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in answered] == [1, 2]  # what a retry after a restart finds
-
-    cps = await remote.list_checkpoints(model)
-    assert [c.step for c in cps] == [0, 1, 2] and "reward_mean" in cps[1].metrics
-    dest = await remote.download_checkpoint(model, 1, tmp_path / "step1")
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in
-                                                                    dest.iterdir()}
-    src = served.root / "server" / "models" / model.name / "checkpoints" / "0001"
-    assert (dest / "adapter_model.safetensors").read_bytes() == \
-        (src / "adapter_model.safetensors").read_bytes()
-    assert no_tmp_left(served, model)
-
-
-
-@pytest.mark.engine
-async def test_an_unchanged_langgraph_graph_trains_through_the_server(served, remote, tiny_models):
-    """Zero-change capture against `art serve`: the recorder reads the ledger over HTTP with
-    the key the model was registered with (no key passed to the recorder)."""
-    from langgraph.graph import END, START, MessagesState, StateGraph
-
-    from art_core import gather_trajectory_groups
-    from art_langgraph import init_chat_model, record
-    from tests.conftest import tiny_config
-
-    model = TrainableModel(name="srv-lg", project="server", base_model=str(tiny_models["llama"]),
-                           config=tiny_config())
-    await model.register(remote)
-    llm = init_chat_model(model, max_tokens=6)
-
-    async def agent(state: MessagesState) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke(state["messages"])]}
-
-    g = StateGraph(MessagesState)
-    g.add_node("agent", agent)
-    g.add_edge(START, "agent")
-    g.add_edge("agent", END)
-    graph = g.compile()
-
-    async def rollout(q: str) -> Trajectory:
-        async with record(reward=lambda s: float(len(str(s["messages"][-1].content)))) as t:
-            await graph.ainvoke({"messages": [("user", q)]})
-        return t
-
-    for step in (1, 2):
-        groups = await gather_trajectory_groups([rollout(q) for _ in range(4)] for q in "ab")
-        assert all(t.turns[0].step == step - 1 for g in groups for t in g)
-        assert (await model.train(groups, TrainConfig(learning_rate=1e-2))).step == step
-    r = await model.openai_client().chat.completions.create(
-        model=model.name, messages=MSG, max_tokens=2)
-    assert r.model == f"{model.name}@2"
-
-BAD_FOR_THE_MODEL = [
-    ("token-out-of-vocab", {"groups": [{"trajectories": [
-        dict(_trajectory(), turns=[dict(_trajectory()["turns"][0],
-                                        completion_token_ids=[4, 10**6])])]}]}, "vocabulary"),
-    ("untrainable", {"groups": [{"trajectories": [_trajectory(turns=False)]}]},
-     "no sampled turn"),
-    ("empty-groups", {"groups": []}, "non-empty list"),
-]
-
-
-@pytest.mark.engine
-@pytest.mark.parametrize(("case", "payload", "needle"), BAD_FOR_THE_MODEL,
-                         ids=[c for c, _, _ in BAD_FOR_THE_MODEL])
-async def test_bad_groups_for_a_registered_model(served, model, case, payload, needle):
-    before = snapshot(served.root)
-    async with httpx.AsyncClient() as c:
-        r = await c.post(f"{served.url}/art/v1/models/server/{model.name}/train",
-                         json=payload, headers=auth())
-    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
-    assert snapshot(served.root) == before  # nothing journaled, no step started
-
-
-@pytest.mark.engine
-async def test_client_disconnect_mid_step_leaves_a_consistent_step(served, remote, model):
-    before = await remote.get_step(model)
-    group = await rollout_group(model)
-    body = {"groups": [group.model_dump(mode="json")], "config": {"learning_rate": 1e-3}}
-    async with httpx.AsyncClient(timeout=60) as c, c.stream(
-            "POST", f"{served.url}/art/v1/models/server/{model.name}/train", json=body,
-            headers=auth()) as r:
-        assert r.status_code == 200
-        first = json.loads(await r.aiter_lines().__anext__())
-        assert first["event"] == "accepted"
-        # leaving the block closes the connection mid-step
-    deadline = time.monotonic() + 120
-    while await remote.get_step(model) != before + 1:
-        assert time.monotonic() < deadline, served.log_tail()
-        await asyncio.sleep(0.25)
-    async with httpx.AsyncClient(timeout=30) as c:
-        job = (await c.get(f"{served.url}/art/v1/jobs/{first['job']}", headers=auth())).json()
-    while job["status"] not in ("done", "failed"):
-        await asyncio.sleep(0.25)
-        async with httpx.AsyncClient(timeout=30) as c:
-            job = (await c.get(f"{served.url}/art/v1/jobs/{first['job']}",
-                               headers=auth())).json()
-    assert job["status"] == "done" and job["result"]["step"] == before + 1
-    assert no_tmp_left(served, model)
-    r = await model.openai_client().chat.completions.create(model=model.name, messages=MSG,
-                                                            max_tokens=2)
-    assert r.model_extra["art_step"] == before + 1
-
-
-@pytest.mark.engine
-async def test_two_clients_training_one_model_are_serialized(served, model, tiny_models):
-    before_clients = [RemoteBackend(served.url, api_key=KEY) for _ in range(2)]
-    models = []
-    for b in before_clients:  # each client registers its own copy of the model
-        m = TrainableModel(name=model.name, project=model.project, base_model=model.base_model,
-                           config=model.config)
-        await m.register(b)
-        models.append(m)
-    before = await models[0].get_step()
-    groups = [await rollout_group(m) for m in models]
-    results = await asyncio.gather(*(m.train([g], TrainConfig(learning_rate=1e-3))
-                                     for m, g in zip(models, groups, strict=True)))
-    assert sorted(r.step for r in results) == [before + 1, before + 2]
-    assert await models[1].get_step() == before + 2
-    for b in before_clients:
-        await b.close()
-
-
-@pytest.mark.engine
-async def test_retried_request_id_reattaches_instead_of_training_twice(served, remote, model):
-    before = await remote.get_step(model)
-    group = await rollout_group(model)
-    body = {"groups": [group.model_dump(mode="json")], "config": {"learning_rate": 1e-3},
-            "request_id": "retry-" + secrets.token_hex(4)}
-    url = f"{served.url}/art/v1/models/server/{model.name}/train"
-    async with httpx.AsyncClient(timeout=120) as c:
-        async with c.stream("POST", url, json=body, headers=auth()) as r:
-            job = json.loads(await r.aiter_lines().__anext__())["job"]
-        r = await c.post(url, json=body, headers=auth())  # the same request again
-    events = [json.loads(x) for x in r.text.splitlines()]
-    assert events[0] == {**events[0], "event": "accepted", "job": job}
-    assert events[-1]["event"] == "result" and events[-1]["step"] == before + 1
-    assert await remote.get_step(model) == before + 1
-
-
-@pytest.mark.engine
-async def test_delete_checkpoints_unserves_deleted_steps(served, remote, model):
-    latest = await remote.get_step(model)
-    deleted = await remote.delete_checkpoints(model)
-    kept = [c.step for c in await remote.list_checkpoints(model)]
-    assert latest in kept and not set(deleted) & set(kept) and deleted
-    client = model.openai_client()
-    import openai
-
-    with pytest.raises(openai.NotFoundError):
-        await client.chat.completions.create(model=f"{model.name}@{deleted[0]}", messages=MSG,
-                                             max_tokens=2)
-    r = await client.chat.completions.create(model=model.name, messages=MSG, max_tokens=2)
-    assert r.model_extra["art_step"] == latest
-
-
-@pytest.mark.engine
-async def test_sigterm_during_a_step_finishes_it_and_stops_vllm(served, model):
-    """Last test of the module: it stops the shared server."""
-    before = max(int(p.name) for p in (served.root / "server" / "models" / model.name /
-                                       "checkpoints").iterdir() if p.name.isdigit())
-    children = descendants(served.proc.pid)
-    assert children, "vLLM should be a child of the server"
-    group = await rollout_group(model)
-    body = {"groups": [group.model_dump(mode="json")], "config": {"learning_rate": 1e-3}}
-    events = []
-    async with httpx.AsyncClient(timeout=120) as c, c.stream(
-            "POST", f"{served.url}/art/v1/models/server/{model.name}/train", json=body,
-            headers=auth()) as r:
-        async for line in r.aiter_lines():
-            events.append(json.loads(line))
-            if len(events) == 1:
-                served.proc.send_signal(signal.SIGTERM)
-    assert events[-1]["event"] == "result" and events[-1]["step"] == before + 1, events
-    served.proc.wait(90)
-    assert served.proc.returncode in (0, -signal.SIGTERM), served.log_tail()
-    deadline = time.monotonic() + 20
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in children), "vLLM outlived the server"
-    assert no_tmp_left(served, model)
-    log = served.log.read_text()
-    assert "Traceback" not in log, served.log_tail()
