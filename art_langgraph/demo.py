@@ -7,15 +7,17 @@ call the tool (a forced call: the gateway holds it to the tool's schema; which c
 the model's choice), its next turn answers. It is made trainable by one callback,
 `TrajectoryRecorder`.
 
-    reward    = 0.8 x precision + 0.2 x looked up the right country
-    precision = 1 / (1 + other values of the record named) if the answer names the value asked
-                for, else 0: echoing the whole record earns 1/3, one extra value 1/2
-    success   = precision 1: the value asked for and nothing else (what the table reports)
+    reward  = 0.8 x correct + 0.2 x looked up the right country
+    correct = the answer names the value asked for and no other value of the record (echoing
+              the whole record is not an answer)
 
-The base model (SmolLM2-135M) mostly echoes the record or rambles, and answers exactly a few
-times in a hundred; with a reward for success alone most groups of episodes score alike and
-GRPO has nothing to compare (one of two measured runs learned, the other did not), so the
-reward credits answers that come closer. Each
+Before the question the agent sees two worked examples (question, tool call, record, answer)
+about other made-up countries, as agents in production are usually prompted. With them the
+base model (SmolLM2-135M) answers about a third of the questions right; its usual mistake is to
+give the field of an example instead of the one asked for. Measured alternatives, 72 questions
+of the base model each: no examples, 6/72 right (it echoes the record or rambles, so most
+groups of episodes score alike, GRPO has nothing to compare, and one of two 6-step runs did not
+learn); one example, 51/72 (little left to learn). Each
 step: `groups_per_step` training questions x `rollouts_per_group` episodes, GRPO on a LoRA,
 hot-swap into vLLM. Before and after, the agent answers the held-out questions (countries never
 seen in training) with the same sampling settings, and the demo prints the success rate with a
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
@@ -50,6 +52,12 @@ FIELDS = ("capital", "currency", "population")
 SYSTEM = ("You answer questions about countries. First call lookup_country with the country's "
           "name. Then answer in one short sentence with the value asked for, for example: "
           "The capital of Zarnia is Velmor.")
+# Worked examples shown before each question: countries that are not in WORLD.
+EXAMPLES = (("Zarnia", "currency", "Zarnia: capital Velmor; currency velmo; population 12 million",
+             "The currency of Zarnia is velmo."),
+            ("Ostrava", "population",
+             "Ostrava: capital Kelmar; currency dano; population 41 million",
+             "The population of Ostrava is 41 million."))
 TEMPERATURE = 0.7  # the same for training rollouts and both evaluations
 MAX_TOKENS = 64
 
@@ -92,6 +100,17 @@ class Question:
         return WORLD[self.country][self.field]
 
 
+def prompt(q: Question) -> list[Any]:
+    """The system prompt, the worked examples as earlier turns, then the question."""
+    msgs: list[Any] = [SystemMessage(SYSTEM)]
+    for i, (country, field, record, answer) in enumerate(EXAMPLES):
+        call = {"id": f"example{i}", "name": "lookup_country", "args": {"country": country}}
+        msgs += [HumanMessage(f"What is the {field} of {country}?"),
+                 AIMessage("", tool_calls=[call]), ToolMessage(record, tool_call_id=call["id"]),
+                 AIMessage(answer)]
+    return [*msgs, HumanMessage(q.text)]
+
+
 def questions(countries: list[str]) -> list[Question]:
     return [Question(c, f) for c in countries for f in FIELDS]
 
@@ -110,13 +129,19 @@ def build_agent(llm: Any) -> Any:
     must_call = llm.bind_tools([lookup_country], tool_choice="required")
     may_call = llm.bind_tools([lookup_country])
 
+    def this_question(state: MessagesState) -> list[Any]:
+        """The messages since the last user message (earlier turns are examples or history)."""
+        msgs = state["messages"]
+        last_user = max(i for i, m in enumerate(msgs) if isinstance(m, HumanMessage))
+        return msgs[last_user + 1:]
+
     async def agent(state: MessagesState) -> dict[str, Any]:
-        looked_up = any(isinstance(m, ToolMessage) for m in state["messages"])
+        looked_up = any(isinstance(m, ToolMessage) for m in this_question(state))
         llm = may_call if looked_up else must_call
         return {"messages": [await llm.ainvoke(state["messages"])]}
 
     def next_step(state: MessagesState) -> str:
-        turns = sum(isinstance(m, AIMessage) for m in state["messages"])
+        turns = sum(isinstance(m, AIMessage) for m in this_question(state))
         return "tools" if state["messages"][-1].tool_calls and turns < 3 else END
 
     graph = StateGraph(MessagesState)
@@ -129,15 +154,18 @@ def build_agent(llm: Any) -> Any:
 
 
 def score(messages: list[Any], q: Question) -> dict[str, float]:
-    """The episode's reward and its parts, from the graph's final messages."""
+    """The episode's reward and its parts, from the graph's final messages (the examples before
+    the question do not count)."""
+    last_user = max(i for i, m in enumerate(messages) if isinstance(m, HumanMessage))
+    messages = messages[last_user + 1:] or [HumanMessage(q.text)]
     calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
     looked_up = any((c["args"] or {}).get("country") == q.country for c in calls)
     last = messages[-1]
     answer = str(last.content).lower() if isinstance(last, AIMessage) and not last.tool_calls \
         else ""
-    others = sum(v.lower() in answer for f, v in WORLD[q.country].items() if f != q.field)
-    precision = 1 / (1 + others) if q.answer.lower() in answer else 0.0
-    return {"reward": 0.8 * precision + 0.2 * looked_up, "success": float(precision == 1),
+    others = [v for f, v in WORLD[q.country].items() if f != q.field]
+    correct = q.answer.lower() in answer and not any(v.lower() in answer for v in others)
+    return {"reward": 0.8 * correct + 0.2 * looked_up, "success": float(correct),
             "looked_up": float(looked_up), "tool_calls": float(len(calls))}
 
 
@@ -149,7 +177,7 @@ async def episode(graph: Any, q: Question) -> Trajectory:
         return parts["reward"]
 
     recorder = TrajectoryRecorder(reward=reward)  # the one line that makes the agent trainable
-    await graph.ainvoke({"messages": [("system", SYSTEM), ("user", q.text)]},
+    await graph.ainvoke({"messages": prompt(q)},
                         config={"callbacks": [recorder]})
     traj = await recorder.afinish()
     traj.metrics.update(success=bool(parts["success"]), tool_calls=int(parts["tool_calls"]))
@@ -199,7 +227,7 @@ def show_episode(label: str, example: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-async def run(path: str = ".art", steps: int = 6, groups_per_step: int = 6,
+async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
               fresh: bool = False, seed: int = 0) -> dict[str, Any]:
     """Evaluate, train `steps` more steps, evaluate again; returns the two evaluations."""
@@ -286,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="art demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", default=".art", help="run directory (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=6, help="steps to add (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="steps to add (default: %(default)s)")
     p.add_argument("--groups-per-step", type=int, default=6,
                    help="training questions per step (default: %(default)s)")
     p.add_argument("--rollouts-per-group", type=int, default=4,

@@ -12,6 +12,7 @@ from art_langgraph.demo import (
     Question,
     lookup_country,
     make_world,
+    prompt,
     score,
     wilson,
 )
@@ -48,11 +49,11 @@ def episode(call_arg: str | None, answer: str) -> list:
     (Q.country, f"The capital is {ROW['capital'].upper()}", 1.0, 1.0),     # case-insensitive
     ("Atlantis", f"The capital is {ROW['capital']}.", 0.8, 1.0),           # right without lookup
     (Q.country, "I do not know.", 0.2, 0.0),                               # looked up, no answer
-    (Q.country, f"{Q.country}: " + "; ".join(ROW.values()), 0.2 + 0.8 / 3, 0.0),  # echo: 1/3
-    (Q.country, f"It is {ROW['capital']}, paid in {ROW['currency']}.", 0.2 + 0.4, 0.0),  # 1/2
-    (Q.country, f"The currency is {ROW['currency']}.", 0.2, 0.0),        # another value only
+    (Q.country, f"{Q.country}: " + "; ".join(ROW.values()), 0.2, 0.0),     # echoing the record
+    (Q.country, f"It is {ROW['capital']}, paid in {ROW['currency']}.", 0.2, 0.0),  # extra value
+    (Q.country, f"The currency is {ROW['currency']}.", 0.2, 0.0),          # the wrong field
     (None, "No idea.", 0.0, 0.0),
-], ids=["right", "case", "no-lookup", "looked-up-only", "echo", "one-extra", "wrong-value",
+], ids=["right", "case", "no-lookup", "looked-up-only", "echo", "extra-value", "wrong-field",
         "nothing"])
 def test_reward_checks_the_answer_not_the_form(call_arg, answer, reward, success):
     parts = score(episode(call_arg, answer), Q)
@@ -70,3 +71,12 @@ def test_an_episode_that_ends_on_a_tool_call_has_no_answer():
 def test_wilson_interval(k, n, lo, hi):
     got = wilson(k, n)
     assert got == pytest.approx((lo, hi), abs=1e-3)
+
+
+def test_the_worked_examples_before_the_question_do_not_count():
+    """The examples' tool calls and answers are context: only the turns after the question score."""
+    examples = prompt(Q)[:-1]
+    assert [type(m).__name__ for m in examples[:3]] == ["SystemMessage", "HumanMessage", "AIMessage"]
+    right = episode(Q.country, f"The capital of {Q.country} is {ROW['capital']}.")
+    assert score(examples + right, Q) == score(right, Q)
+    assert score(examples + episode(None, "No idea."), Q)["tool_calls"] == 0.0
