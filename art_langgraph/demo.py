@@ -219,7 +219,9 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
 
 def show_episode(label: str, example: dict[str, Any]) -> str:
     out = [f"--- {label} (reward {example['reward']:.2f})"]
-    for m in example["messages"][1:]:
+    msgs = example["messages"]
+    question = max(i for i, m in enumerate(msgs) if m["role"] == "user")  # after the examples
+    for m in msgs[question:]:
         text = (m.get("content") or "").strip().replace("\n", " ")
         calls = " ".join(f"{c['function']['name']}({c['function']['arguments']})"
                          for c in m.get("tool_calls") or [])

@@ -80,3 +80,13 @@ def test_the_worked_examples_before_the_question_do_not_count():
     right = episode(Q.country, f"The capital of {Q.country} is {ROW['capital']}.")
     assert score(examples + right, Q) == score(right, Q)
     assert score(examples + episode(None, "No idea."), Q)["tool_calls"] == 0.0
+
+
+def test_the_printed_episode_starts_at_the_question():
+    from art_langgraph.demo import show_episode
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "example question"},
+            {"role": "assistant", "content": "example answer"},
+            {"role": "user", "content": Q.text}, {"role": "assistant", "content": "Velmor."}]
+    text = show_episode("step 0", {"messages": msgs, "reward": 1.0})
+    assert Q.text in text and "example" not in text and "Velmor." in text
