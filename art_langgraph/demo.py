@@ -203,7 +203,8 @@ async def evaluate(graph: Any, qs: list[Question], n: int, label: str) -> dict[s
     return {"successes": k, "episodes": len(trajs),
             "reward": sum(t.reward for t in trajs) / len(trajs),
             "tool_calls": sum(int(t.metrics["tool_calls"]) for t in trajs) / len(trajs),
-            "example": trajs[0].model_dump(include={"messages", "reward"})}
+            # one episode per question, so that the same question can be shown before and after
+            "examples": [t.model_dump(include={"messages", "reward"}) for t in trajs[::n]]}
 
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
@@ -215,6 +216,10 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
                      f"{f'[{100 * lo:.0f}%, {100 * hi:.0f}%]':>16} {r['reward']:8.2f} "
                      f"{r['tool_calls']:11.2f}")
     return "\n".join(lines)
+
+
+def _question(example: dict[str, Any]) -> str:
+    return next(m["content"] for m in reversed(example["messages"]) if m["role"] == "user")
 
 
 def show_episode(label: str, example: dict[str, Any]) -> str:
@@ -276,8 +281,14 @@ async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
         print()
         print(table([("step 0", evals[0]), (f"step {last}", evals[last])]))
         print()
-        print(show_episode("step 0, held-out episode", evals[0]["example"]))
-        print(show_episode(f"step {last}, held-out episode", evals[last]["example"]))
+        before, after = (evals[s].get("examples") or [evals[s]["example"]] for s in (0, last))
+        after_by_question = {_question(e): e for e in after}
+        # a question the base model got wrong, if there is one, and the same question after
+        shown = next((e for e in before if e["reward"] < 1 and _question(e) in after_by_question),
+                     before[0])
+        print(show_episode("step 0, held-out episode", shown))
+        print(show_episode(f"step {last}, the same question",
+                           after_by_question.get(_question(shown), after[0])))
         _plot(model_dir, evals)
         print(f"checkpoints in {model_dir / 'checkpoints'}")
     return {"before": evals[0], "after": evals[last]}
