@@ -305,7 +305,7 @@ def _plot(model_dir: Path, evals: dict[int, dict[str, Any]]) -> None:
     }
     try:
         out = plot_curves(curves, model_dir / "reward.png",
-                          title="art demo: a LangGraph agent on SmolLM2-135M learns to use a tool")
+                          title="art demo: a LangGraph agent on SmolLM2-135M learns to answer with a tool")
         print(f"plot: {out}")
     except PlotError as e:
         print(f"no plot: {e}")
