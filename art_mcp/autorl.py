@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,7 @@ async def derive_prompts(description: str, generator: Any, *, tools: Sequence[di
             data = json.loads(_json_object(content))
             prompts = Prompts(system_prompt=str(data["system_prompt"]).strip(),
                               rubric=str(data["rubric"]).strip(), source="generator")
+            check_usable(prompts, description)
         except (ValueError, KeyError, TypeError, ValidationError) as e:
             problems.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
@@ -126,6 +128,24 @@ async def derive_prompts(description: str, generator: Any, *, tools: Sequence[di
             prompts.system_prompt += "\n" + TOOLS_HINT
         return prompts, problems
     return template_prompts(description, bool(tools)), problems
+
+
+def check_usable(prompts: Prompts, description: str) -> None:
+    """Raise ValueError when a derived text is not usable although it is valid JSON: one that
+    repeats itself (small generators loop) or shares no word with the task description."""
+    task_words = {w for w in _words(description) if len(w) > 3}
+    for name, text in (("system_prompt", prompts.system_prompt), ("rubric", prompts.rubric)):
+        words = _words(text)
+        trigrams = list(zip(words, words[1:], words[2:], strict=False))
+        if len(trigrams) >= 10 and len(set(trigrams)) < 0.6 * len(trigrams):
+            raise ValueError(f"{name} repeats itself ({len(set(trigrams))} distinct of "
+                             f"{len(trigrams)} word triples)")
+        if task_words and not task_words & set(words):
+            raise ValueError(f"{name} shares no word with the task description")
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
 
 
 def _json_object(content: str) -> str:

@@ -256,6 +256,11 @@ async def test_tools_given_as_functions_are_offered_and_executed(tmp_path):
     ([json.dumps({"system_prompt": SYSTEM, "rubric": RUBRIC})], "generator"),
     (["no json at all", json.dumps({"system_prompt": "short", "rubric": RUBRIC}),
       json.dumps({"rubric": RUBRIC})], "template"),
+    # valid JSON that a small generator looped in, or that is about something else
+    ([json.dumps({"system_prompt": SYSTEM, "rubric": "- it's a payment gate, " * 12}),
+      json.dumps({"system_prompt": "Write poems about the sea and the moon at night.",
+                  "rubric": RUBRIC}),
+      json.dumps({"system_prompt": SYSTEM, "rubric": "the the the the " * 10})], "template"),
 ])
 async def test_derive_prompts_validates_and_falls_back_to_the_template(answers, source):
     with ScriptedJudge(answers) as server:
