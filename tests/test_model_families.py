@@ -8,23 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from art_core import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
+from art_core import LoraConfig, TrainConfig
 from art_core.tiny import ARCHS, build_tiny_model
 from art_core.train.trainer import Trainer
-
-
-def make_group(tokenizer) -> TrajectoryGroup:
-    prompt = tokenizer.encode("What do you say?")
-    trajectories = []
-    for text, reward in [("yes", 0.0), ("no thanks", 1.0), ("maybe so", 0.5), ("ok", 1.0)]:
-        ids = tokenizer.encode(text)
-        trajectories.append(Trajectory(
-            messages=[{"role": "user", "content": "What do you say?"},
-                      {"role": "assistant", "content": text}],
-            turns=[{"message_index": 1, "prompt_token_ids": prompt, "completion_token_ids": ids,
-                    "logprobs": [-2.0] * len(ids), "step": 0}],
-            reward=reward))
-    return TrajectoryGroup(trajectories=trajectories)
+from tests.test_trainer import make_group
 
 
 @pytest.mark.parametrize("arch", ARCHS)
