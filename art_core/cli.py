@@ -184,6 +184,9 @@ def serve(
     idle_exit_minutes: float = typer.Option(
         0.0, min=0.0, help="Exit after this many minutes without a request (0: never); "
         "`art launch` sets it so the cluster's auto-stop can fire."),
+    train_processes: int = typer.Option(
+        1, min=1, help="Data-parallel training processes per step (torchrun; on CUDA one per "
+        "GPU). 1 trains in the server process and keeps the model loaded between steps."),
 ) -> None:
     """Run the backend (vLLM, gateway, trainer) as a server for RemoteBackend clients.
 
@@ -197,13 +200,21 @@ def serve(
         typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(code=2)
     module = _import_or_exit("art_core.server", extra="backend")
+    from art_core.backend.local import check_train_processes
+
+    try:  # more processes than GPUs: a clear message now, not a failed first step
+        check_train_processes(train_processes)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
     try:
         _run(module.serve(path, host=host, port=port, api_key=key,  # type: ignore[attr-defined]
                           max_body_bytes=int(max_body_mb * 2**20),
                           shutdown_grace_s=shutdown_grace, log_level=log_level,
                           base_models=tuple(allow_base_model or ()),
                           allow_engine_args=allow_engine_args,
-                          idle_exit_minutes=idle_exit_minutes))
+                          idle_exit_minutes=idle_exit_minutes,
+                          train_processes=train_processes))
     except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down already; no traceback
         raise typer.Exit(code=130) from None
 

@@ -104,7 +104,8 @@ class ArtServer(ModelOperations, TrainingJobs):
     def __init__(self, root: str | Path = ".art", *, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0,
                  shutdown_grace_s: float = 60.0, max_jobs_kept: int = 1000,
-                 base_models: tuple[str, ...] = (), allow_engine_args: bool = False) -> None:
+                 base_models: tuple[str, ...] = (), allow_engine_args: bool = False,
+                 train_processes: int = 1) -> None:
         self.root = Path(root).resolve()
         self.base_models = tuple(base_models)  # glob patterns; empty: any base model
         self.allow_engine_args = allow_engine_args
@@ -114,7 +115,8 @@ class ArtServer(ModelOperations, TrainingJobs):
         self.shutdown_grace_s = shutdown_grace_s
         self.max_jobs_kept = max_jobs_kept
         self.gateway = Gateway()
-        self.backend = LocalBackend(self.root, gateway=self.gateway)
+        self.backend = LocalBackend(self.root, gateway=self.gateway,
+                                    train_processes=train_processes)
         self.models: dict[tuple[str, str], TrainableModel] = {}  # registered in this process
         self._names: dict[str, str] = {}  # served name -> its project
         self.jobs: OrderedDict[str, TrainJob] = OrderedDict()
@@ -331,14 +333,16 @@ def build_server(root: str | Path, *, host: str = "127.0.0.1", port: int = 7999,
                  api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  shutdown_grace_s: float = 60.0, keepalive_s: float = 10.0,
                  log_level: str = "info", base_models: tuple[str, ...] = (),
-                 allow_engine_args: bool = False) -> _Server:
-    """The uvicorn server for `art serve` (not started). Refuses an unsafe bind."""
+                 allow_engine_args: bool = False, train_processes: int = 1) -> _Server:
+    """The uvicorn server for `art serve` (not started). Refuses an unsafe bind.
+    `train_processes`: see `LocalBackend` (1: train in this process)."""
     refusal = bind_refusal(host, api_key)
     if refusal:
         raise ValueError(refusal)
     art = ArtServer(root, api_key=api_key, max_body_bytes=max_body_bytes,
                     keepalive_s=keepalive_s, shutdown_grace_s=shutdown_grace_s,
-                    base_models=base_models, allow_engine_args=allow_engine_args)
+                    base_models=base_models, allow_engine_args=allow_engine_args,
+                    train_processes=train_processes)
     config = uvicorn.Config(art.app, host=host, port=port, log_level=log_level,
                             access_log=False, lifespan="on", proxy_headers=False,
                             timeout_graceful_shutdown=max(1, math.ceil(shutdown_grace_s)))
@@ -349,7 +353,7 @@ async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int
                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 shutdown_grace_s: float = 60.0, log_level: str = "info",
                 base_models: tuple[str, ...] = (), allow_engine_args: bool = False,
-                idle_exit_minutes: float = 0.0) -> int:
+                idle_exit_minutes: float = 0.0, train_processes: int = 1) -> int:
     """Run until SIGTERM/SIGINT (or `idle_exit_minutes` without a request, if > 0); returns
     the exit status."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -358,7 +362,8 @@ async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int
     server = build_server(root, host=host, port=port, api_key=api_key,
                           max_body_bytes=max_body_bytes, shutdown_grace_s=shutdown_grace_s,
                           log_level=log_level, base_models=base_models,
-                          allow_engine_args=allow_engine_args)
+                          allow_engine_args=allow_engine_args,
+                          train_processes=train_processes)
     art = server.art
     log.info("art serve: run directory %s; OpenAI API at http://%s:%d/v1; control API at "
              "%s; API key %s; body limit %s", art.root, host, port, API_PREFIX,

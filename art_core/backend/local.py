@@ -5,6 +5,7 @@
       2. close the gateway's gate; wait for running requests     (inference waits)
       3. vLLM sleeps (CUDA only: the trainer gets the memory)
       4. Trainer.step: one GRPO step from the latest checkpoint
+         (train_processes > 1: torchrun ranks train the journaled groups instead, see below)
       5. save the adapter to checkpoints/.tmp-<step>, rename to checkpoints/<step>  (atomic)
       6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
       7. append metrics to history.jsonl; open the gate              (inference resumes)
@@ -14,8 +15,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,14 +39,37 @@ from art_core.trajectory import TrajectoryGroup
 log = logging.getLogger(__name__)
 
 
+def check_train_processes(n: int) -> int:
+    """`n` if it is a usable number of training processes: at least 1 and, on a CUDA host, at
+    most the visible GPUs (one rank per GPU). Imports torch only when n > 1."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"train_processes must be an integer >= 1, got {n!r}")
+    if n > 1:
+        import torch
+
+        if torch.cuda.is_available() and n > torch.cuda.device_count():
+            raise ValueError(f"train_processes={n} but {torch.cuda.device_count()} GPU(s) are "
+                             "visible: one training process per GPU")
+    return n
+
+
 class LocalBackend:
     """Runs inference (vLLM behind our gateway) and training (peft) on this machine."""
 
     def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
-                 gateway: Gateway | None = None, loggers: list[Logger] | None = None) -> None:
+                 gateway: Gateway | None = None, loggers: list[Logger] | None = None,
+                 train_processes: int = 1) -> None:
         """`loggers`: extra loggers besides the run directory and those the environment turns
-        on (W&B, Langfuse: see art_core.loggers)."""
+        on (W&B, Langfuse: see art_core.loggers).
+
+        `train_processes`: data-parallel ranks per training step (art_core/train/distributed.py;
+        on CUDA one per GPU, at most the visible GPUs). The default 1 trains in this process
+        and keeps the model loaded between steps; N > 1 starts N fresh torchrun processes for
+        every step, each loading the base model and the latest checkpoint again (seconds to
+        tens of seconds), which pays off only when the step itself dominates: several GPUs and
+        large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
         self.root = Path(path).resolve()
+        self.train_processes = check_train_processes(train_processes)
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
@@ -144,6 +170,8 @@ class LocalBackend:
                 tmp = md.temp_checkpoint(0)
                 trainer.save_adapter(tmp)  # a fresh LoRA: B = 0, so step 0 equals the base
                 md.commit_checkpoint(tmp, 0)
+                if self.train_processes > 1:  # the ranks load their own; free its memory
+                    self._drop_trainer(model)
 
     def _ensure_engine(self, model: TrainableModel, base_path: str) -> VLLMEngine:
         with self._lock:
@@ -174,6 +202,16 @@ class LocalBackend:
                 trainer.load_optimizer(md.optimizer, TrainConfig(), checkpoint=step)
             self._trainers[key] = trainer
         return trainer
+
+    def _drop_trainer(self, model: TrainableModel) -> None:
+        """Forget the in-process trainer (its weights are stale once other processes trained a
+        step; the next in-process step loads the latest checkpoint) and free its memory."""
+        if self._trainers.pop((model.project, model.name), None) is None:
+            return
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     async def get_step(self, model: TrainableModel) -> int:
         step = self._dir(model).latest_step()
@@ -235,6 +273,17 @@ class LocalBackend:
 
     def _train_and_save(self, model: TrainableModel, groups: list[TrajectoryGroup],
                         config: TrainConfig, step: int) -> dict[str, float]:
+        """Train `step` from the latest checkpoint and commit checkpoint `step`; returns the
+        step's metrics (Trainer.step's, plus save_seconds). `groups` must be journaled as
+        `step` already: with train_processes > 1 the ranks read them from the journal."""
+        if self.train_processes > 1:
+            from art_core.train.distributed import run_distributed_step
+
+            self._drop_trainer(model)
+            # a failed rank raises RuntimeError: nothing committed, the journal kept for replay
+            return run_distributed_step(self._dir(model), step,
+                                        resolve_base_model(model.base_model),
+                                        model.config.lora, config, self.train_processes)
         md = self._dir(model)
         trainer = self._trainer(model)
         metrics = trainer.step(groups, config)

@@ -29,6 +29,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def train_journaled_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
     """One rank's part of training the journaled groups of `step` from the latest checkpoint.
 
     Rank 0 commits checkpoint `step` only after every rank finished its share (the gradient
-    all-reduce needs them all); returns the step's metrics (the same on every rank)."""
+    all-reduce needs them all); returns the step's metrics (the same on every rank but
+    save_seconds), with the keys `LocalBackend`'s in-process step returns."""
     groups = md.journaled(step)
     if not groups:
         raise RuntimeError(f"no journaled groups for step {step} in {md.journal}")
@@ -137,10 +139,12 @@ def train_journaled_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
     trainer.load_adapter(md.checkpoint(latest))
     trainer.load_optimizer(md.optimizer, config, checkpoint=latest)
     metrics = trainer.step(groups, config)
+    t0 = time.perf_counter()
     tmp = md.temp_checkpoint(step) if trainer.rank == 0 else None
     trainer.save_adapter(tmp or Path())
     if tmp is not None:
         md.commit_checkpoint(tmp, step)
+    metrics["save_seconds"] = time.perf_counter() - t0
     trainer.save_optimizer(md.optimizer, checkpoint=step)
     return {k: float(v) for k, v in metrics.items()}
 
@@ -150,8 +154,9 @@ def run_distributed_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
                          ) -> dict[str, float]:
     """Train the journaled `step` on `nproc` ranks with torchrun; returns rank 0's metrics.
 
-    Raises `RuntimeError` (with the end of the ranks' output) if any rank fails: no checkpoint
-    is committed then, and the journal stays for a replay."""
+    Raises `RuntimeError` (with the end of the ranks' output) if any rank fails or the ranks
+    run past `timeout_s` (then all of them are killed): no checkpoint is committed, and the
+    journal stays for a replay."""
     out = md.path / f".metrics-{step:04d}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -163,10 +168,24 @@ def run_distributed_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
     env = dict(os.environ)
     if not torch.cuda.is_available():  # CPU ranks share the cores; do not oversubscribe
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except BaseException as e:
+        # SIGTERM, not SIGKILL: torchrun stops its ranks on SIGTERM; killed, it would orphan them
+        proc.terminate()
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        output += f"\n(stopped after {timeout_s:g} s)"
     if proc.returncode != 0 or not out.exists():
         md.remove_partial_checkpoints()
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        tail = "\n".join(output.splitlines()[-30:])
         raise RuntimeError(f"distributed step {step} failed on {nproc} ranks (exit "
                            f"{proc.returncode}); journal kept for replay.\n{tail}")
     metrics = json.loads(out.read_text())
