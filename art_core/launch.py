@@ -85,6 +85,9 @@ class LaunchConfig(BaseModel):
     health_timeout_s: float = Field(1800.0, gt=0, description=(
         "How long to wait for /health after the job starts (installing vLLM and loading the "
         "model take minutes)."))
+    reuse_timeout_s: float = Field(15.0, gt=0, description=(
+        "How long the server of a cluster that is already up gets to answer /health before "
+        "its serve job is started again (a running server answers at once)."))
 
 
 def generate_api_key() -> str:
@@ -139,11 +142,12 @@ def _sky() -> Any:
     return sky
 
 
-def build_task(cfg: LaunchConfig, api_key: str) -> Any:
+def build_task(cfg: LaunchConfig, api_key: str, *, sky: Any = None) -> Any:
     """The `sky.Task`, parsed and checked by SkyPilot itself: its task and resources YAML
     schemas (`Task.from_yaml_config`), the task name and run script. Accelerator names are
-    checked against SkyPilot's catalog, which it downloads, by `sky.launch` itself."""
-    sky = _sky()
+    checked against SkyPilot's catalog, which it downloads, by `sky.launch` itself.
+    `sky`: the SkyPilot module (None: import it)."""
+    sky = sky if sky is not None else _sky()
     task = sky.Task.from_yaml_config(task_config(cfg, api_key))
     task.validate_name()
     task.validate_run()
@@ -182,13 +186,13 @@ def wait_healthy(url: str, timeout_s: float, *, poll_s: float = 5.0) -> None:
     last = "no answer yet"
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(url.rstrip("/") + "/health", timeout=10)
+            r = httpx.get(url.rstrip("/") + "/health", timeout=min(10.0, timeout_s))
             if r.status_code == 200 and r.json().get("status") == "ok":
                 return
             last = f"HTTP {r.status_code}: {r.text[:200]}"
         except (httpx.HTTPError, ValueError) as e:
             last = f"{type(e).__name__}: {e}"
-        time.sleep(poll_s)
+        time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
     raise LaunchError(f"{url}/health did not answer within {timeout_s:.0f} s ({last}); see "
                       "`sky logs <cluster>`")
 
@@ -211,17 +215,17 @@ def _cluster_up(sky: Any, cluster: str) -> bool:
 
 
 def launch_backend(cfg: LaunchConfig | None = None, *, api_key: str | None = None,
-                   dryrun: bool = False) -> RemoteBackend | None:
+                   dryrun: bool = False, sky: Any = None) -> RemoteBackend | None:
     """Provision (or reuse) the cluster, start `art serve`, wait for /health; return a ready
     `RemoteBackend`. `dryrun=True` asks SkyPilot to plan the launch without provisioning
-    and returns None."""
+    and returns None. `sky`: the SkyPilot module (None: import it; tests pass a stand-in)."""
     from art_core.backend.remote import RemoteBackend
 
     cfg = cfg or LaunchConfig()
-    sky = _sky()
+    sky = sky if sky is not None else _sky()
     state = _load_state(cfg.cluster)
     key = api_key or state.get("api_key") or generate_api_key()
-    task = build_task(cfg, key)
+    task = build_task(cfg, key, sky=sky)
     if dryrun:
         sky.stream_and_get(sky.launch(task, cluster_name=cfg.cluster, dryrun=True))
         return None
@@ -229,7 +233,7 @@ def launch_backend(cfg: LaunchConfig | None = None, *, api_key: str | None = Non
     if _cluster_up(sky, cfg.cluster):
         url = _endpoint(sky, cfg.cluster, cfg.port)
         try:
-            wait_healthy(url, timeout_s=15, poll_s=3)
+            wait_healthy(url, timeout_s=cfg.reuse_timeout_s, poll_s=3)
             return RemoteBackend(url, api_key=key)
         except LaunchError:  # up, but the server exited (idle exit): run it again, no setup
             sky.stream_and_get(sky.exec(task, cluster_name=cfg.cluster))
@@ -243,8 +247,8 @@ def launch_backend(cfg: LaunchConfig | None = None, *, api_key: str | None = Non
     return RemoteBackend(url, api_key=key)
 
 
-def down(cluster: str = "art") -> None:
+def down(cluster: str = "art", *, sky: Any = None) -> None:
     """Tear the cluster down (its disk, and the checkpoints on it, are deleted)."""
-    sky = _sky()
+    sky = sky if sky is not None else _sky()
     sky.stream_and_get(sky.down(cluster))
     _state_path(cluster).unlink(missing_ok=True)
