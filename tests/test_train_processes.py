@@ -8,6 +8,7 @@ with N = 2 torchrun ranks on CPU (gloo), on a tiny model; no vLLM engine is star
 - ranks that fail (here: all of them, on a corrupt base model) raise, commit nothing and leave
   the journal as it was, so `replay_interrupted` can train it again. One rank killed while the
   other trains is tests/test_distributed.py's test (same `run_distributed_step`).
+- engine-marked: the whole `train` with 2 ranks on the session's vLLM backend.
 
 Tolerance: TOL = 1e-5 absolute on adapter weights (fp32), as in tests/test_distributed.py,
 which says why (only the summation order of the gradients across ranks differs).
@@ -23,11 +24,14 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from art_core import LocalBackend, ModelConfig, TrainableModel
+from art_core import LocalBackend, ModelConfig, TrainableModel, TrainConfig
 from art_core.cli import app
+from art_core.gather import gather_trajectory_groups
 from art_core.storage import ModelDir
 from art_core.train.trainer import Trainer
+from tests.conftest import tiny_config
 from tests.test_distributed import CONFIG, LORA, TOL, make_groups
+from tests.test_training_e2e import rollout
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +135,29 @@ def test_art_serve_passes_train_processes_on(tmp_path):
     assert build_server(tmp_path, port=1).art.backend.train_processes == 1
     result = CliRunner().invoke(app, ["serve", "--train-processes", "0", "--path", str(tmp_path)])
     assert result.exit_code == 2 and "train-processes" in result.output
+
+
+@pytest.mark.engine
+async def test_train_on_two_processes_through_vllm(backend, tiny_models):
+    """The whole `train` with 2 ranks on the session's backend: vLLM sleeps, the ranks train,
+    the new adapter serves as name@1, the history has the usual metrics."""
+    model = TrainableModel(name="tp2-llama", project="tp", base_model=str(tiny_models["llama"]),
+                           config=tiny_config())
+    backend.train_processes = 2
+    try:
+        await model.register(backend)
+        assert ("tp", "tp2-llama") not in backend._trainers  # step 0 written, trainer freed
+        groups = await gather_trajectory_groups(
+            ([rollout(model, i) for i in range(4)] for _ in range(2)), show_progress=False)
+        result = await model.train(groups, TrainConfig(learning_rate=1e-2))
+    finally:
+        backend.train_processes = 1
+    assert result.step == 1 and result.metrics["trained_tokens"] > 0
+    for key in ("save_seconds", "publish_seconds", "swap_seconds", "loss", "grad_norm"):
+        assert key in result.metrics, key
+    before = load_file(str(backend.checkpoint_dir(model, 0) / "adapter_model.safetensors"))
+    after = load_file(str(backend.checkpoint_dir(model, 1) / "adapter_model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    r = await model.openai_client().chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.model == "tp2-llama@1"
