@@ -37,7 +37,8 @@ import asyncio
 import copy
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from art_core.recording import ToolEvent, recording
@@ -56,6 +57,57 @@ DEFAULT_SYSTEM_PROMPT = (
 JSON_ACTION_HINT = (
     '\nReply with one JSON action only: {"name": <tool name>, "arguments": {...}}.'
 )
+
+
+@dataclass
+class WorkedExample:
+    """One solved task for `AgentConfig.examples`: the task, the tool calls that solve it
+    (each `{"name", "arguments", "result"}`, the result as the tool answered) and the summary
+    given to `complete_task`."""
+
+    task: str
+    calls: list[dict[str, Any]]
+    summary: str
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> WorkedExample:
+        """From a JSON object, with an error naming what is wrong."""
+        if not isinstance(data, dict) or not isinstance(data.get("task"), str) \
+                or not isinstance(data.get("summary"), str) \
+                or not isinstance(data.get("calls"), list):
+            raise ValueError('a worked example is {"task": str, "calls": [{"name", "arguments", '
+                             f'"result"}}, ...], "summary": str}}, got {str(data)[:200]}')
+        for c in data["calls"]:
+            if not (isinstance(c, dict) and isinstance(c.get("name"), str)
+                    and isinstance(c.get("arguments", {}), dict)
+                    and isinstance(c.get("result"), str)):
+                raise ValueError(f"a worked example's call needs name (str), arguments (object) "
+                                 f"and result (str), got {str(c)[:200]}")
+        return cls(task=data["task"], calls=data["calls"], summary=data["summary"])
+
+    def messages(self, index: int) -> list[dict[str, Any]]:
+        """The example as chat turns: the task, each call and its result, then `complete_task`."""
+        out: list[dict[str, Any]] = [{"role": "user", "content": self.task}]
+        steps = [*((c["name"], c.get("arguments", {}), c["result"]) for c in self.calls),
+                 (COMPLETE_TASK, {"summary": self.summary}, "Task complete.")]
+        for k, (name, arguments, result) in enumerate(steps):
+            call_id = f"example_{index}_{k}"
+            out += [{"role": "assistant", "content": None, "tool_calls": [
+                        {"id": call_id, "type": "function",
+                         "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+                    {"role": "tool", "tool_call_id": call_id, "content": result}]
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> list[WorkedExample]:
+        """Worked examples from a JSON list or a JSONL file; errors name the file."""
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text) if text.lstrip().startswith("[") else \
+                [json.loads(line) for line in text.splitlines() if line.strip()]
+            return [cls.parse(d) for d in data]
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 @dataclass
@@ -81,6 +133,11 @@ class AgentConfig:
     max_string_chars: int | None = 100
     """'json' only: a cap on free strings in arguments, so a small model cannot ramble a string
     past `max_tokens` (that would leave the JSON unfinished)."""
+    examples: list[WorkedExample] = field(default_factory=list)
+    """Solved tasks shown before the task, as earlier turns of the conversation (context, not
+    trained on). Production agents are prompted this way; for a small model they are the
+    difference between rarely finishing a task and finishing most (examples/mcp_rl.py: the
+    embedded 135M model solved 8/86 inventory rollouts without and 23/86 with two)."""
 
 
 def complete_task_tool() -> dict[str, Any]:
@@ -152,7 +209,9 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
     traj.tools = [*(traj.tools or []), complete_task_tool()]
     if not traj.messages:
         system = cfg.system_prompt + (JSON_ACTION_HINT if cfg.action_format == "json" else "")
-        traj.messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        shown = [m for i, ex in enumerate(cfg.examples) for m in ex.messages(i)]
+        traj.messages = [{"role": "system", "content": system}, *shown,
+                         {"role": "user", "content": task}]
     session.timeout_s, session.max_result_chars = cfg.tool_timeout_s, cfg.max_result_chars
     m = traj.metrics
     m.update(turns=0, tool_calls=0, tool_errors=0, completed=False, ran_out_of_turns=False)

@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rollouts", type=int, default=2,
                    help="rollouts per held-out scenario (default: %(default)s)")
     p.add_argument("--max-turns", type=int, default=6, help="(default: %(default)s)")
+    p.add_argument("--examples", help="JSON or JSONL file of worked examples shown before each "
+                   'task: {"task", "calls": [{"name", "arguments", "result"}], "summary"}')
     p.add_argument("--action-format", choices=["strict_tools", "json", "tools"],
                    default="strict_tools",
                    help="strict_tools: native calls held to the schemas (our gateway enforces "
@@ -98,15 +100,23 @@ def main(argv: list[str] | None = None) -> int:
                         ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.examples:
+        from art_mcp.agent import WorkedExample
+
+        try:
+            WorkedExample.load(args.examples)
+        except (OSError, ValueError) as e:
+            p.error(f"--examples: {e}")
     return asyncio.run(_run(args))
 
 
 async def _run(args: argparse.Namespace) -> int:
     from art_core import TrainableModel, TrainConfig
-    from art_mcp.agent import AgentConfig
+    from art_mcp.agent import AgentConfig, WorkedExample
     from art_mcp.session import ServerSpec
     from art_mcp.train import train_mcp
 
+    examples = WorkedExample.load(args.examples) if args.examples else []
     model = TrainableModel(name=args.name, project=args.project,
                            **({"base_model": args.base_model} if args.base_model else {}))
     server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command)
@@ -119,7 +129,8 @@ async def _run(args: argparse.Namespace) -> int:
         reward=load_function(args.reward) if args.reward else None, judge=args.judge,
         judge_kwargs=judge_kwargs, steps=args.steps, groups_per_step=args.groups_per_step,
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
-        agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format),
+        agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format,
+                          examples=examples),
         train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
         max_concurrency=args.max_concurrency)
     return 0

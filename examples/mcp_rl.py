@@ -5,12 +5,14 @@ fresh database, so every rollout's outcome can be read back and checked: the rew
 verified (`expected` stock in each scenario), not judged. Each step runs groups of rollouts on
 training scenarios, one GRPO step on a LoRA, and at the end the held-out scenarios are run again:
 
-    python examples/mcp_rl.py --steps 6
+    python examples/mcp_rl.py
 
 The same run from the command line, for any server and scenario file:
 
     art mcp-train --scenarios examples/data/inventory_scenarios.jsonl \\
-        --reward examples/mcp_server_inventory.py:reward -- python examples/mcp_server_inventory.py
+        --examples examples/data/inventory_examples.json --max-turns 4 --held-out 12 \\
+        --groups-per-step 6 --eval-rollouts 4 --reward examples/mcp_server_inventory.py:reward \\
+        -- python examples/mcp_server_inventory.py
 
 Run it again with the same --path to continue from the last step on the same scenarios.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from art_core import TrainableModel, TrainConfig
-from art_mcp import AgentConfig, McpTrainResult, ServerSpec, train_mcp
+from art_mcp import AgentConfig, McpTrainResult, ServerSpec, WorkedExample, train_mcp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -32,9 +34,13 @@ from mcp_server_inventory import reward  # noqa: E402  (the verifiable reward, n
 
 SERVER = ServerSpec(command=[sys.executable, str(HERE / "mcp_server_inventory.py")])
 SCENARIOS = HERE / "data" / "inventory_scenarios.jsonl"
+EXAMPLES = HERE / "data" / "inventory_examples.json"
+"""Two solved tasks shown before each task. Without them the 135M model solves about 1 task in
+10 and most groups score alike (nothing for GRPO to compare); with them about 1 in 4, and its
+usual mistake is to copy an example (move the glue to E2, or complete at once), which RL fixes."""
 
 
-async def run(path: str = ".art", steps: int = 6, groups_per_step: int = 4,
+async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, eval_rollouts: int = 4, held_out: int | float = 12,
               max_turns: int = 4, learning_rate: float = 1e-3,
               backend: Any = None) -> McpTrainResult:
@@ -43,7 +49,8 @@ async def run(path: str = ".art", steps: int = 6, groups_per_step: int = 4,
         SERVER, model=TrainableModel(name="inventory-agent", project="mcp"), backend=backend,
         path=path, scenarios=SCENARIOS, held_out=held_out, reward=reward, steps=steps,
         groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
-        eval_rollouts=eval_rollouts, agent=AgentConfig(max_turns=max_turns),
+        eval_rollouts=eval_rollouts,
+        agent=AgentConfig(max_turns=max_turns, examples=WorkedExample.load(EXAMPLES)),
         train_config=TrainConfig(learning_rate=learning_rate))
 
 
@@ -51,8 +58,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", default=".art")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=6)
     p.add_argument("--rollouts-per-group", type=int, default=4)
     p.add_argument("--eval-rollouts", type=int, default=4)
     p.add_argument("--held-out", type=int, default=12, help="held-out scenarios")

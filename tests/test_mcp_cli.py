@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--judge", "embedded", "--", "python", "s.py"], "--scenarios FILE.jsonl or --generator"),
     (["--judge", "x", "--scenarios", "s", "--rollouts-per-group", "1", "--", "s"],
      "--rollouts-per-group must be at least 2"),
+    (["--judge", "x", "--scenarios", "s", "--examples", "/nonexistent.json", "--", "s"],
+     "--examples: [Errno 2]"),
+    (["--judge", "x", "--scenarios", "s", "--examples", str(ROOT / "README.md"), "--", "s"],
+     "--examples: " + str(ROOT / "README.md")),
 ])
 def test_bad_arguments_fail_before_anything_starts(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:

@@ -98,3 +98,58 @@ async def test_mcp_rl_example_smallest_setting(backend, smollm2_path, capsys):
     assert result.before.rollouts == 2 and result.held_out_scenarios == 2
     assert (result.run_dir / "checkpoints" / "0001").is_dir()
     assert (result.run_dir / "mcp" / "scenarios.train.jsonl").exists()
+
+
+async def test_an_mcp_tool_called_from_a_langgraph_agent_lands_in_its_trajectory(agent_model,
+                                                                                  tmp_path):
+    """The two recorders compose: a LangGraph agent (recorded by `art_langgraph.record`) whose
+    tool calls the inventory server through a `RecordingSession` gets one trajectory with the
+    sampled turns, the server's answers as tool messages, and the MCP calls counted."""
+    from typing import Literal
+
+    from langchain_core.messages import ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from art_langgraph import init_chat_model, record
+    from tests.test_langgraph import check_against_ledger
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mcp_server_inventory import STOCK
+
+    async with connect(INVENTORY, workdir=tmp_path) as session:
+        @tool
+        async def look_up(item: Literal[tuple(n for n, _, _ in STOCK)]) -> str:  # type: ignore[valid-type]
+            """Show how many of an item are in stock and on which shelf."""
+            return (await session.call_tool("look_up", {"item": item})).content[0].text
+
+        llm = init_chat_model(agent_model, max_tokens=64, temperature=0.0)
+        first, then = llm.bind_tools([look_up], tool_choice="required"), llm.bind_tools([look_up])
+
+        async def agent(state: MessagesState) -> dict:
+            used = any(isinstance(m, ToolMessage) for m in state["messages"])
+            return {"messages": [await (then if used else first).ainvoke(state["messages"])]}
+
+        g = StateGraph(MessagesState)
+        g.add_node("agent", agent)
+        g.add_node("tools", ToolNode([look_up]))
+        g.add_edge(START, "agent")
+        g.add_conditional_edges("agent", lambda s: "tools" if len(s["messages"]) < 4 else END,
+                                ["tools", END])
+        g.add_edge("tools", "agent")
+        async with record(model=agent_model) as traj:
+            await g.compile().ainvoke({"messages": [
+                ("system", "Use the tools."), ("user", "How many staplers do we have?")]})
+
+    roles = [m["role"] for m in traj.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    (call,) = traj.messages[2]["tool_calls"]
+    item = json.loads(call["function"]["arguments"])["item"]
+    quantity, shelf = next((q, s) for n, q, s in STOCK if n == item)
+    answer = traj.messages[3]
+    assert answer["tool_call_id"] == call["id"]
+    assert answer["content"] == f"{item}: {quantity} on shelf {shelf}"  # what the server said
+    assert traj.metrics["tool_calls"] == 1 and traj.metrics["tool_errors"] == 0  # MCP side
+    assert traj.metrics["tool_seconds"] > 0
+    assert check_against_ledger(traj, agent_model.base_url) == 2  # both turns' sampled tokens

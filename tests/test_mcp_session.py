@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from art_core import GatherError, Model, Trajectory, gather_trajectory_groups, recording
-from art_mcp import AgentConfig, RecordingSession, ServerGone, ServerSpec, connect, run_agent
+from art_mcp import (
+    AgentConfig,
+    RecordingSession,
+    ServerGone,
+    ServerSpec,
+    WorkedExample,
+    connect,
+    run_agent,
+)
 from ruler.testing import ScriptedJudge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +182,46 @@ async def test_agent_loop_runs_calls_until_complete_task(tmp_path: Path) -> None
     assert traj.metrics["untrainable_turns"] == 4  # a scripted server sends no token ids
     assert traj.metadata["summary"] == "sold 2 staplers"
     assert len(traj.tools) == 6
+
+
+async def test_worked_examples_come_before_the_task_as_earlier_turns(tmp_path: Path) -> None:
+    example = WorkedExample.parse({
+        "task": "Move the glue to shelf E2.", "summary": "Moved it.",
+        "calls": [{"name": "move_item", "arguments": {"item": "glue", "shelf": "E2"},
+                   "result": "glue: shelf D2 -> E2"}]})
+    script = actions({"name": "complete_task", "arguments": {"summary": "nothing to do"}})
+    with ScriptedJudge(script) as llm:
+        async with connect(INVENTORY, workdir=tmp_path) as session:
+            traj = await run_agent(Model(name="m", base_url=llm.api_base), session, "Add a pen.",
+                                   config=AgentConfig(action_format="json", examples=[example]))
+        sent = llm.requests[0]["messages"]
+    roles = [m["role"] for m in sent]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "user"]
+    assert sent[1]["content"] == "Move the glue to shelf E2." and sent[-1]["content"] == "Add a pen."
+    (move,), (done,) = sent[2]["tool_calls"], sent[4]["tool_calls"]
+    assert [sent[3]["tool_call_id"], sent[5]["tool_call_id"]] == [move["id"], done["id"]]
+    assert json.loads(move["function"]["arguments"]) == {"item": "glue", "shelf": "E2"}
+    assert done["function"]["name"] == "complete_task" and sent[5]["content"] == "Task complete."
+    # the examples are context: the rollout's own calls and metrics start after them
+    assert traj.messages[:7] == sent and traj.metrics["turns"] == 1
+    assert traj.metrics["tool_calls"] == 0 and traj.metrics["completed"] is True
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"calls": [], "summary": "s"}, "a worked example is"),
+    ({"task": "t", "calls": "move", "summary": "s"}, "a worked example is"),
+    ({"task": "t", "calls": [{"name": "x", "arguments": {}}], "summary": "s"}, "result (str)"),
+    ({"task": "t", "calls": [{"name": "x", "arguments": [1], "result": ""}], "summary": "s"},
+     "arguments (object)"),
+])
+def test_a_malformed_worked_example_is_refused(data: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        WorkedExample.parse(data)
+
+
+def test_the_inventory_worked_examples_load() -> None:
+    examples = WorkedExample.load(ROOT / "examples/data/inventory_examples.json")
+    assert len(examples) == 2 and all(ex.calls for ex in examples)
 
 
 async def test_agent_loop_stops_at_the_turn_limit(tmp_path: Path) -> None:
