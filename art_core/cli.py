@@ -233,14 +233,26 @@ def launch(
     down_on_idle: bool = typer.Option(False, "--down", help="Auto-stop deletes the cluster."),
     spot: bool = typer.Option(False, "--spot", help="Use spot instances."),
     package: str = typer.Option("art-agents[backend]", help="pip requirement installed there."),
+    train_processes: int | None = typer.Option(
+        None, min=1, show_default=False, help="`art serve --train-processes` there "
+        "(default: one per GPU of --gpus)."),
     dryrun: bool = typer.Option(False, "--dryrun", help="Let SkyPilot plan it; launch nothing."),
 ) -> None:
     """Start `art serve` on a GPU host with SkyPilot; print its URL and API key."""
+    from pydantic import ValidationError
+
     from art_core.launch import LaunchConfig, LaunchError, launch_backend
 
-    cfg = LaunchConfig(cluster=cluster, accelerators=gpus, infra=infra or None, port=port,
-                       idle_minutes=idle_minutes, serve_idle_minutes=serve_idle_minutes,
-                       down=down_on_idle, use_spot=spot, package=package)
+    try:
+        cfg = LaunchConfig(cluster=cluster, accelerators=gpus, infra=infra or None, port=port,
+                           idle_minutes=idle_minutes, serve_idle_minutes=serve_idle_minutes,
+                           down=down_on_idle, use_spot=spot, package=package,
+                           train_processes=train_processes)
+    except ValidationError as e:  # e.g. more training processes than GPUs, a bad cluster name
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        typer.echo(f"error: {where + ': ' if where else ''}{err['msg']}", err=True)
+        raise typer.Exit(code=2) from None
     try:
         backend = launch_backend(cfg, dryrun=dryrun)
     except LaunchError as e:

@@ -10,7 +10,8 @@ Kubernetes it supports; nothing here is a home-made cluster manager):
 1. builds a SkyPilot task (`task_config`): setup installs `uv`, a Python 3.11 venv, the CUDA
    build of vLLM and this package; run starts `art serve` on 0.0.0.0 with a generated API key
    (passed as a SkyPilot *secret*, so it is redacted from SkyPilot's logs and dashboard) on a
-   port SkyPilot opens; resources carry an auto-stop so a forgotten cluster stops costing money.
+   port SkyPilot opens, training with one process per GPU (`train_processes`); resources
+   carry an auto-stop so a forgotten cluster stops costing money.
 2. reuses the cluster named `cluster` if it is up and answers /health; if it is up but the
    server exited (idle exit, below), runs the serve job again without a new setup; otherwise
    `sky.launch` (which also restarts a stopped cluster of that name).
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from art_core.backend.remote import RemoteBackend
@@ -58,7 +59,8 @@ class LaunchConfig(BaseModel):
                          description="SkyPilot cluster name; an existing one is reused.")
     accelerators: str = Field("L4:1", description=(
         "SkyPilot accelerators, e.g. 'L4:1', 'A100:1', 'H100:8'. One 24 GB GPU fits models up "
-        "to ~3B with LoRA; several GPUs are used by vLLM's tensor/data parallelism."))
+        "to ~3B with LoRA; several GPUs are used by vLLM's tensor/data parallelism and by "
+        "data-parallel training (train_processes)."))
     infra: str | None = Field(None, description=(
         "SkyPilot infra: 'aws', 'gcp/us-central1', 'k8s', ... None lets SkyPilot pick the "
         "cheapest enabled one."))
@@ -78,6 +80,9 @@ class LaunchConfig(BaseModel):
         "or 'git+https://...')."))
     vllm: str = Field("vllm>=0.10", description="pip requirement for vLLM's CUDA build.")
     run_dir: str = Field("~/art", description="Run directory on the host (checkpoints, logs).")
+    train_processes: int | None = Field(None, ge=1, strict=True, description=(
+        "`art serve --train-processes`: data-parallel training ranks per step, one per GPU. "
+        "None: the GPU count in `accelerators` ('A100:4' -> 4, 'L4' -> 1)."))
     allow_base_models: list[str] = Field(default_factory=list, description=(
         "`art serve --allow-base-model` patterns; empty: any base model."))
     envs: dict[str, str] = Field(default_factory=dict, description=(
@@ -88,6 +93,35 @@ class LaunchConfig(BaseModel):
     reuse_timeout_s: float = Field(15.0, gt=0, description=(
         "How long the server of a cluster that is already up gets to answer /health before "
         "its serve job is started again (a running server answers at once)."))
+
+    @model_validator(mode="after")
+    def _train_processes_fit(self) -> LaunchConfig:
+        # refused here, not by `art serve` on the host after a paid launch and a long setup
+        if self.train_processes is not None and self.train_processes > gpu_count(self.accelerators):
+            raise ValueError(f"train_processes={self.train_processes} but accelerators="
+                             f"{self.accelerators!r} gives {gpu_count(self.accelerators):g} "
+                             "GPU(s): one training process per GPU")
+        return self
+
+    def train_process_count(self) -> int:
+        """The `--train-processes` the server gets: the explicit value, else one per GPU
+        (at least 1: a fractional GPU, 'A100:0.5', still trains in one process)."""
+        if self.train_processes is not None:
+            return self.train_processes
+        return max(1, int(gpu_count(self.accelerators)))
+
+
+def gpu_count(accelerators: str) -> float:
+    """How many GPUs a SkyPilot accelerators string asks for, read as SkyPilot reads it:
+    '<name>:<count>' or '<memory>:<count>' ('A100:4', '24GB+:2') -> the count; no count
+    ('L4', '80GB+', 'nvidia:24GB') -> 1. Fractions ('A100:0.5') stay fractions."""
+    _, sep, tail = accelerators.rpartition(":")
+    if not sep:
+        return 1.0
+    try:
+        return float(tail)
+    except ValueError:  # 'nvidia:24GB': manufacturer and memory, count 1
+        return 1.0
 
 
 def generate_api_key() -> str:
@@ -118,7 +152,8 @@ def task_config(cfg: LaunchConfig, api_key: str) -> dict[str, Any]:
         'uv pip install --python ~/art-venv/bin/python "$ART_VLLM" "$ART_PACKAGE"',
     ])
     serve = ["~/art-venv/bin/art", "serve", "--host", "0.0.0.0", "--port", '"$ART_PORT"',
-             "--path", '"$ART_RUN_DIR"', "--idle-exit-minutes", '"$ART_SERVE_IDLE_MINUTES"']
+             "--path", '"$ART_RUN_DIR"', "--idle-exit-minutes", '"$ART_SERVE_IDLE_MINUTES"',
+             "--train-processes", '"$ART_TRAIN_PROCESSES"']
     for pattern in cfg.allow_base_models:
         serve += ["--allow-base-model", shlex.quote(pattern)]
     run = "\n".join([
@@ -129,6 +164,7 @@ def task_config(cfg: LaunchConfig, api_key: str) -> dict[str, Any]:
     ])
     envs = {"ART_PORT": str(cfg.port), "ART_RUN_DIR": cfg.run_dir,
             "ART_SERVE_IDLE_MINUTES": f"{cfg.serve_idle_minutes:g}",
+            "ART_TRAIN_PROCESSES": str(cfg.train_process_count()),
             "ART_PACKAGE": cfg.package, "ART_VLLM": cfg.vllm, **cfg.envs}
     return {"name": f"art-serve-{cfg.cluster}", "resources": resources, "envs": envs,
             "secrets": {"ART_API_KEY": api_key}, "setup": setup, "run": run}

@@ -49,6 +49,8 @@ def check_task(cfg: LaunchConfig) -> None:
 
     assert "uv pip install" in task.setup and '"$ART_VLLM" "$ART_PACKAGE"' in task.setup
     assert "art serve --host 0.0.0.0" in task.run and "--idle-exit-minutes" in task.run
+    assert '--train-processes "$ART_TRAIN_PROCESSES"' in task.run
+    assert task.envs["ART_TRAIN_PROCESSES"] == str(cfg.train_process_count()) == str(count)
     assert task.envs["ART_PORT"] == str(cfg.port)
     assert task.envs["ART_PACKAGE"] == cfg.package
     for k, v in cfg.envs.items():

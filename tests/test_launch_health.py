@@ -1,6 +1,7 @@
 """`art launch`'s decisions, without a cloud: `wait_healthy` against a real HTTP server on
-127.0.0.1, and `launch_backend`'s reuse of a cluster (up and healthy: no launch, the saved key;
-up but unhealthy: the serve job again; stopped or absent: `sky.launch`).
+127.0.0.1, `launch_backend`'s reuse of a cluster (up and healthy: no launch, the saved key;
+up but unhealthy: the serve job again; stopped or absent: `sky.launch`), and the training
+processes the task's run script gives `art serve` (run by bash against a stand-in `art`).
 
 SkyPilot itself is not installed here (it lives in .venv-sky, where tests/sky_checks.py checks
 our task with it); `launch_backend` takes the SDK as a parameter, so these tests pass a
@@ -10,16 +11,21 @@ stand-in that implements the few calls it makes and records them.
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import stat
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
-from art_core.launch import LaunchConfig, LaunchError, launch_backend, wait_healthy
+from art_core.cli import app
+from art_core.launch import LaunchConfig, LaunchError, launch_backend, task_config, wait_healthy
 
 OK = (200, {"status": "ok"})
 STARTING = (503, {"status": "starting"})
@@ -191,3 +197,57 @@ def test_launch_backend_dryrun_only_plans(health, tmp_path, monkeypatch):
     assert launch_backend(LaunchConfig(), dryrun=True, sky=sky) is None
     assert sky.calls == ["launch --dryrun"]
     assert not (tmp_path / "launch" / "art.json").exists()
+
+
+def serve_args(task: dict[str, Any], home: Any) -> list[str]:
+    """The arguments the task's run script gives `art serve`: bash runs it with the task's
+    envs and a stand-in ~/art-venv/bin/art that prints them, one a line."""
+    art = home / "art-venv" / "bin" / "art"
+    art.parent.mkdir(parents=True, exist_ok=True)
+    art.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    art.chmod(0o755)
+    env = {**os.environ, **task["envs"], "HOME": str(home), "ART_API_KEY": "k"}
+    out = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True,
+                         timeout=30, check=True)
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("accelerators, train_processes, expected", [
+    ("L4:1", None, 1),          # the default: one GPU, one process
+    ("L4", None, 1),            # no count: SkyPilot reads it as 1
+    ("A100:4", None, 4),        # one process per GPU
+    ("H100:8", None, 8),
+    ("24GB+:2", None, 2),       # a memory spec with a count
+    ("nvidia:24GB", None, 1),   # manufacturer and memory, no count
+    ("A100:0.5", None, 1),      # a fractional GPU still trains in one process
+    ("H100:8", 2, 2),           # explicit: fewer ranks than GPUs
+    ("A100:4", 4, 4),
+])
+def test_serve_trains_on_one_process_per_gpu(tmp_path, accelerators, train_processes,
+                                             expected):
+    cfg = LaunchConfig(accelerators=accelerators, train_processes=train_processes)
+    assert cfg.train_process_count() == expected
+    args = serve_args(task_config(cfg, "k" * 43), tmp_path)
+    assert args[0] == "serve"
+    assert args[args.index("--train-processes") + 1] == str(expected)
+    assert args[args.index("--port") + 1] == "7999"  # the other flags expand as before
+
+
+@pytest.mark.parametrize("accelerators, train_processes, error", [
+    ("L4", 2, "1 GPU(s)"),          # more processes than GPUs: refused before any launch
+    ("A100:4", 5, "4 GPU(s)"),
+    ("A100:0.5", 2, "0.5 GPU(s)"),
+    ("A100:4", 0, "greater than or equal to 1"),
+    ("A100:4", True, "valid integer"),  # strict: a bool is not a count
+    ("A100:4", "2", "valid integer"),
+])
+def test_bad_train_processes_are_refused(accelerators, train_processes, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        LaunchConfig(accelerators=accelerators, train_processes=train_processes)
+
+
+def test_launch_cli_refuses_more_processes_than_gpus():
+    # refused by LaunchConfig before SkyPilot is imported, with exit code 2 and no traceback
+    result = CliRunner().invoke(app, ["launch", "--gpus", "L4:1", "--train-processes", "2"])
+    assert result.exit_code == 2, result.output
+    assert "train_processes=2" in result.output and "1 GPU(s)" in result.output
