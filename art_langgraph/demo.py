@@ -124,24 +124,25 @@ def lookup_country(country: str) -> str:
     return f"{country}: " + "; ".join(f"{k} {v}" for k, v in row.items())
 
 
+def this_question(messages: list[Any]) -> list[Any]:
+    """The messages after the last user message: the turns on the question being asked (the
+    earlier turns are worked examples or history)."""
+    last_user = max(i for i, m in enumerate(messages) if isinstance(m, HumanMessage))
+    return messages[last_user + 1:]
+
+
 def build_agent(llm: Any) -> Any:
     """model -> tools -> model, at most three model turns."""
     must_call = llm.bind_tools([lookup_country], tool_choice="required")
     may_call = llm.bind_tools([lookup_country])
 
-    def this_question(state: MessagesState) -> list[Any]:
-        """The messages since the last user message (earlier turns are examples or history)."""
-        msgs = state["messages"]
-        last_user = max(i for i, m in enumerate(msgs) if isinstance(m, HumanMessage))
-        return msgs[last_user + 1:]
-
     async def agent(state: MessagesState) -> dict[str, Any]:
-        looked_up = any(isinstance(m, ToolMessage) for m in this_question(state))
+        looked_up = any(isinstance(m, ToolMessage) for m in this_question(state["messages"]))
         llm = may_call if looked_up else must_call
         return {"messages": [await llm.ainvoke(state["messages"])]}
 
     def next_step(state: MessagesState) -> str:
-        turns = sum(isinstance(m, AIMessage) for m in this_question(state))
+        turns = sum(isinstance(m, AIMessage) for m in this_question(state["messages"]))
         return "tools" if state["messages"][-1].tool_calls and turns < 3 else END
 
     graph = StateGraph(MessagesState)
@@ -156,11 +157,10 @@ def build_agent(llm: Any) -> Any:
 def score(messages: list[Any], q: Question) -> dict[str, float]:
     """The episode's reward and its parts, from the graph's final messages (the examples before
     the question do not count)."""
-    last_user = max(i for i, m in enumerate(messages) if isinstance(m, HumanMessage))
-    messages = messages[last_user + 1:] or [HumanMessage(q.text)]
-    calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+    turns = this_question(messages)
+    calls = [c for m in turns if isinstance(m, AIMessage) for c in m.tool_calls]
     looked_up = any((c["args"] or {}).get("country") == q.country for c in calls)
-    last = messages[-1]
+    last = turns[-1] if turns else None  # no turn after the question: no answer
     answer = str(last.content).lower() if isinstance(last, AIMessage) and not last.tool_calls \
         else ""
     others = [v for f, v in WORLD[q.country].items() if f != q.field]

@@ -66,6 +66,12 @@ def test_an_episode_that_ends_on_a_tool_call_has_no_answer():
     assert score(msgs, Q)["success"] == 0.0
 
 
+def test_a_question_without_turns_scores_nothing():
+    """The graph's messages end at the question (no model turn after it): no answer, no calls."""
+    nothing = {"reward": 0.0, "success": 0.0, "looked_up": 0.0, "tool_calls": 0.0}
+    assert score(prompt(Q), Q) == nothing  # the worked examples' lookups and answers don't count
+
+
 @pytest.mark.parametrize(("k", "n", "lo", "hi"), [
     (0, 48, 0.0, 0.074), (24, 48, 0.364, 0.636), (48, 48, 0.926, 1.0), (3, 10, 0.108, 0.603)])
 def test_wilson_interval(k, n, lo, hi):
