@@ -23,6 +23,14 @@ if [ -f "$stamp" ] && { [ $DEV = 0 ] || [ -f "$dev_stamp" ]; }; then
     exit 0
 fi
 
+# pip's and the build backends' own output (banners, deprecation notes) goes to a log, shown
+# only when a step fails, so that `make demo` prints what the demo says and nothing else.
+LOG="$VENV/setup.log"
+pip() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip $* failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+}
+
 # SkyPilot (`art launch`) runs on the client, not the GPU host, and pins click<=8.1.8, which
 # would downgrade huggingface_hub and transformers under the training stack; so the tests that
 # validate SkyPilot tasks get their own client-only environment, as a user's laptop would have.
@@ -32,21 +40,19 @@ browser() {
     if command -v apt-get >/dev/null 2>&1; then
         echo "[setup] installing chromium (apt) for the viewer's browser test" >&2
         { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
-            >>"$VENV/setup.log" 2>&1 || echo "[setup] could not install chromium; the browser test will skip" >&2
+            >>"$LOG" 2>&1 || echo "[setup] could not install chromium; the browser test will skip" >&2
     fi
 }
 
 sky_env() {
     [ -x "$VENV-sky/bin/python" ] || "$PY" -m venv "$VENV-sky"
-    "$VENV-sky/bin/python" -m pip --disable-pip-version-check -q install -e ".[launch]" >>"$VENV/setup.log" 2>&1 \
-        || { echo "[setup] pip install .[launch] into $VENV-sky failed; see $VENV/setup.log" >&2; exit 1; }
+    "$VENV-sky/bin/python" -m pip --disable-pip-version-check -q install -e ".[launch]" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install .[launch] into $VENV-sky failed; see $LOG" >&2; exit 1; }
 }
 
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
-    LOG="$VENV/setup.log"
-    "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev,observe,bench]" >>"$LOG" 2>&1 \
-        || { echo "[setup] pip install of the test extras failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    pip install -e ".[dev,observe,bench]"
     sky_env
     browser
     rm -f "$VENV"/.art-setup-dev-*
@@ -55,14 +61,7 @@ if [ -f "$stamp" ]; then
 fi
 echo "[setup] creating $VENV and installing (first run only; a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# pip's and the build backends' own output (banners, deprecation notes) goes to a log, shown
-# only when a step fails, so that `make demo` prints what the demo says and nothing else.
-LOG="$VENV/setup.log"
-: >"$LOG"
-pip() {
-    "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
-        || { echo "[setup] pip $* failed; the end of $LOG:" >&2; tail -n 40 "$LOG" >&2; exit 1; }
-}
+: >"$LOG"  # a fresh log for a full install; the dev-only path above appends to the old one
 "$VENV/bin/python" -m pip install -q --upgrade pip >>"$LOG" 2>&1 || true
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
