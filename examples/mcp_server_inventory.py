@@ -13,7 +13,8 @@ never see each other's changes), else in the current directory. A new database i
 
 The outcome of a task can be read back from the database, so a reward can be verified instead of
 judged: `verify(scenario, db_path)` compares the stock with the scenario's `expected` state, and
-`reward(trajectory, context)` is that check in the form `art_mcp.train_mcp(reward=...)` takes.
+`reward(trajectory, context)` (that check, and the agent saying it is done) is in the form
+`art_mcp.train_mcp(reward=...)` takes.
 The scenarios in `examples/data/inventory_scenarios.jsonl` carry `expected`.
 """
 
@@ -159,8 +160,16 @@ def verify(scenario: dict[str, Any], path: Path) -> float:
 
 
 def reward(trajectory: Any, context: Any) -> float:
-    """`art_mcp` reward: the verified outcome in the rollout's own database."""
-    return verify(context.scenario.model_dump(), Path(context.workdir) / "inventory.db")
+    """`art_mcp` reward: 1.0 when the agent left the stock exactly as the task asks and then
+    said it was done (`complete_task`); otherwise 0.3 x the partial credit of `verify`.
+
+    Why completion counts: with the stock alone as the reward, the agent learned never to call
+    `complete_task` (held-out completion 0.88 -> 0.29 in 4 steps) because calling it early was
+    the base model's common mistake, and more tool calls never cost anything."""
+    score = verify(context.scenario.model_dump(), Path(context.workdir) / "inventory.db")
+    if score >= 1.0 and trajectory.metrics.get("completed"):
+        return 1.0
+    return 0.3 * score
 
 
 def main() -> None:
