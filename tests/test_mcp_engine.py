@@ -105,10 +105,8 @@ async def test_an_mcp_tool_called_from_a_langgraph_agent_lands_in_its_trajectory
     """The two recorders compose: a LangGraph agent (recorded by `art_langgraph.record`) whose
     tool calls the inventory server through a `RecordingSession` gets one trajectory with the
     sampled turns, the server's answers as tool messages, and the MCP calls counted."""
-    from typing import Literal
-
     from langchain_core.messages import ToolMessage
-    from langchain_core.tools import tool
+    from langchain_core.tools import StructuredTool
     from langgraph.graph import END, START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode
 
@@ -119,10 +117,16 @@ async def test_an_mcp_tool_called_from_a_langgraph_agent_lands_in_its_trajectory
     from mcp_server_inventory import STOCK
 
     async with connect(INVENTORY, workdir=tmp_path) as session:
-        @tool
-        async def look_up(item: Literal[tuple(n for n, _, _ in STOCK)]) -> str:  # type: ignore[valid-type]
-            """Show how many of an item are in stock and on which shelf."""
-            return (await session.call_tool("look_up", {"item": item})).content[0].text
+        # the MCP tool as a LangChain tool, with the server's own JSON schema (as a user would)
+        schema = next(t["function"] for t in await session.openai_tools()
+                      if t["function"]["name"] == "look_up")
+
+        async def call_look_up(**arguments: object) -> str:
+            return (await session.call_tool("look_up", arguments)).content[0].text
+
+        look_up = StructuredTool.from_function(
+            coroutine=call_look_up, name="look_up", description=schema["description"],
+            args_schema=schema["parameters"])
 
         llm = init_chat_model(agent_model, max_tokens=64, temperature=0.0)
         first, then = llm.bind_tools([look_up], tool_choice="required"), llm.bind_tools([look_up])
