@@ -100,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
                         ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
-    if args.examples:
+    args.worked_examples = []
+    if args.examples:  # read once, here: a bad file is an error before anything starts
         from art_mcp.agent import WorkedExample
 
         try:
-            WorkedExample.load(args.examples)
+            args.worked_examples = WorkedExample.load(args.examples)
         except (OSError, ValueError) as e:
             p.error(f"--examples: {e}")
     return asyncio.run(_run(args))
@@ -112,11 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     from art_core import TrainableModel, TrainConfig
-    from art_mcp.agent import AgentConfig, WorkedExample
+    from art_mcp.agent import AgentConfig
     from art_mcp.session import ServerSpec
     from art_mcp.train import train_mcp
 
-    examples = WorkedExample.load(args.examples) if args.examples else []
     model = TrainableModel(name=args.name, project=args.project,
                            **({"base_model": args.base_model} if args.base_model else {}))
     server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command)
@@ -130,7 +130,7 @@ async def _run(args: argparse.Namespace) -> int:
         judge_kwargs=judge_kwargs, steps=args.steps, groups_per_step=args.groups_per_step,
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format,
-                          examples=examples),
+                          examples=args.worked_examples),
         train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
         max_concurrency=args.max_concurrency)
     return 0
