@@ -69,6 +69,14 @@ class EngineConfig(_Strict):
         "CUDA only: put vLLM to sleep during a training step so the trainer gets the GPU memory."))
     startup_timeout_s: float = Field(300.0, gt=0, description=(
         "How long to wait for vLLM to report healthy. CPU start is ~20-30 s; slow disks more."))
+    serve_merged: bool = Field(False, description=(
+        "Serve the policy as merged weights (W + BA, reloaded into vLLM in place after each "
+        "step) instead of a runtime LoRA. On CPU vLLM's LoRA kernels decode ~2x slower than "
+        "the base model (FIELD-NOTES); merged weights decode at the base's speed. Off by "
+        "default because it narrows what the engine serves: one trainable model per base, only "
+        "its latest step (older name@step and the base model's own name are refused, so the "
+        "base cannot also be the RULER judge), and bf16 rounding of W + BA can erase updates "
+        "smaller than half a bf16 step of W (watch sampler_trainer_prob_diff)."))
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))
 

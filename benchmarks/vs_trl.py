@@ -71,7 +71,8 @@ PROMPTS = [
     "Describe a city at night.", "Why do we sleep?", "What is friendship?", "How does rain form?",
 ]
 MODELS = ("smollm2", "tiny-qwen3")
-SYSTEMS = ("trl", "trl-vllm", "ours")
+SYSTEMS = ("trl", "trl-vllm", "ours", "ours-merged")
+RATIO_SYSTEM = "ours"  # the system whose ratio to TRL is the last line
 RESULT_TAG = "RESULT "
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -256,16 +257,17 @@ def run_trl(args: argparse.Namespace, use_vllm: bool) -> WorkerResult:
 # ---- ours ---------------------------------------------------------------------------------
 
 
-async def run_ours(args: argparse.Namespace) -> WorkerResult:
+async def run_ours(args: argparse.Namespace, merged: bool = False) -> WorkerResult:
     """LocalBackend: 8 rollouts per prompt through the gateway (all groups concurrently),
-    then model.train. generation = the rollouts' wall time, training = model.train's."""
+    then model.train. generation = the rollouts' wall time, training = model.train's.
+    `merged`: the engine serves merged weights (EngineConfig.serve_merged), not a LoRA."""
     import torch
 
     from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
     from art_core.config import EngineConfig, LoraConfig, ModelConfig
 
     torch.set_num_threads(args.threads)
-    result = WorkerResult("ours", args.model, args.max_tokens)
+    result = WorkerResult("ours-merged" if merged else "ours", args.model, args.max_tokens)
     t_setup = time.perf_counter()
     path = model_path(args.model)
     extra: dict[str, Any] = {}  # no top_k: vLLM's default (off) matches TRL's top_k=0
@@ -283,7 +285,8 @@ async def run_ours(args: argparse.Namespace) -> WorkerResult:
                     lora=LoraConfig(rank=args.rank, alpha=2 * args.rank, dropout=0.0,
                                     target_modules=TARGET_MODULES),
                     engine=EngineConfig(max_model_len=max(2048, args.max_tokens + 512),
-                                        cpu_threads=args.engine_threads)))
+                                        cpu_threads=args.engine_threads,
+                                        serve_merged=merged)))
             await model.register(backend)
             client = model.openai_client()
             result.setup_s = time.perf_counter() - t_setup
@@ -343,7 +346,7 @@ def throughput(result: dict[str, Any]) -> float | None:
 
 def format_report(results: list[dict[str, Any]]) -> list[str]:
     """The table, one ratio line per configuration, and `ratio: X` (the smallest) last."""
-    header = f"{'model':<11} {'len':>4} {'system':<9}" + "".join(
+    header = f"{'model':<11} {'len':>4} {'system':<11}" + "".join(
         f" {h:>19}" for h, _, _ in COLUMNS) + f" {'peak RSS GiB':>12}"
     lines = [header, "-" * len(header)]
     ratios: list[float] = []
@@ -352,7 +355,7 @@ def format_report(results: list[dict[str, Any]]) -> list[str]:
         configs.setdefault((r["model"], r["max_tokens"]), []).append(r)
     for (model, length), rows in configs.items():
         for r in rows:
-            head = f"{model:<11} {length:>4} {r['system']:<9}"
+            head = f"{model:<11} {length:>4} {r['system']:<11}"
             s = summarize(r)
             if r.get("error") or not s:
                 lines.append(f"{head} failed: {r.get('error') or 'no steps counted'}")
@@ -361,15 +364,16 @@ def format_report(results: list[dict[str, Any]]) -> list[str]:
                 f" {fmt.format(s[k][0]) + ' (' + fmt.format(s[k][1]) + '-' + fmt.format(s[k][2]) + ')':>19}"
                 for _, k, fmt in COLUMNS)
             lines.append(f"{head}{cells} {r['peak_rss_gib']:>12.2f}")
-        ours = next((throughput(r) for r in rows if r["system"] == "ours"), None)
-        for peer in ("trl", "trl-vllm"):
-            theirs = next((throughput(r) for r in rows if r["system"] == peer), None)
-            if ours and theirs:
-                ratio = ours / theirs
-                if peer == "trl":
-                    ratios.append(ratio)
-                lines.append(f"{'':<11} {length:>4} ours/{peer}: full-step throughput "
-                             f"x{ratio:.2f}, step time x{1 / ratio:.2f}")
+        for mine in ("ours", "ours-merged"):
+            ours = next((throughput(r) for r in rows if r["system"] == mine), None)
+            for peer in ("trl", "trl-vllm"):
+                theirs = next((throughput(r) for r in rows if r["system"] == peer), None)
+                if ours and theirs:
+                    ratio = ours / theirs
+                    if peer == "trl" and mine == RATIO_SYSTEM:
+                        ratios.append(ratio)
+                    lines.append(f"{'':<11} {length:>4} {mine}/{peer}: full-step throughput "
+                                 f"x{ratio:.2f}, step time x{1 / ratio:.2f}")
     lines.append(f"ratio: {min(ratios):.2f}" if ratios else "ratio: n/a")
     return lines
 
@@ -381,8 +385,8 @@ def worker(args: argparse.Namespace) -> None:
     system = args.worker
     with TreeRSS() as rss:
         try:
-            if system == "ours":
-                result = asyncio.run(run_ours(args))
+            if system.startswith("ours"):
+                result = asyncio.run(run_ours(args, merged=system == "ours-merged"))
             else:
                 result = run_trl(args, use_vllm=system == "trl-vllm")
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
@@ -417,7 +421,7 @@ def run_worker(args: argparse.Namespace, system: str, model: str, length: int
         result = asdict(WorkerResult(system, model, length, error=tail[0][:200]))
     if args.verbose and err:
         print(err[-4000:], file=sys.stderr)
-    print(f"  {system:<9} {model:<11} {length:>4}: {time.perf_counter() - t0:.0f} s"
+    print(f"  {system:<11} {model:<11} {length:>4}: {time.perf_counter() - t0:.0f} s"
           + (f"  ({result['error']})" if result.get("error") else ""), flush=True)
     return result
 

@@ -146,6 +146,12 @@ class LocalBackend:
                 f"a model named {model.name!r} is already served from project "
                 f"{served.project!r}: the OpenAI model name must be unique per backend"
             )
+        engine = self._engines.get(model.base_model)
+        if engine is not None and engine.config.serve_merged and any(
+                m.engine is engine and m.name != model.name for m in self.gateway.models.values()):
+            raise ValueError(
+                f"the engine of {model.base_model!r} serves another model as merged weights "
+                f"(EngineConfig.serve_merged): {model.name!r} needs a backend of its own")
         with self._model_lock(model):
             md.remove_partial_checkpoints()  # a step killed mid-save leaves a temp directory
             known = md.read_model_json()
@@ -182,6 +188,7 @@ class LocalBackend:
                     base_path, served_name=model.base_model, config=model.config.engine,
                     max_lora_rank=model.config.lora.rank,
                     log_path=log_dir / f"vllm-{Path(base_path).name}.log",
+                    merged_dir=self.root / "merged" / Path(base_path).name,
                 )
                 self._engines[model.base_model] = engine
                 self.gateway.add_engine(engine)
