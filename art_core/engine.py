@@ -345,13 +345,7 @@ class VLLMEngine:
         if not self.config.serve_merged:
             self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
             return
-        owner = name.rpartition("@")[0]
-        others = {n.rpartition("@")[0] for n in self.adapters} - {owner}
-        if others:
-            raise EngineError(
-                f"this engine serves {sorted(others)[0]!r} as merged weights "
-                "(EngineConfig.serve_merged): one model per base model; serve "
-                f"{owner!r} from another backend or turn serve_merged off")
+        self.check_merged_owner(name.rpartition("@")[0])
         from art_core.merge import MergeError, merge_lora
 
         target = self.merged_dir / ("a" if self._merged_slot != "a" else "b")
@@ -365,6 +359,16 @@ class VLLMEngine:
         if self._merged_slot is not None:  # vLLM has read the new slot: drop the old one
             shutil.rmtree(self.merged_dir / self._merged_slot, ignore_errors=True)
         self._merged_slot = target.name
+
+    def check_merged_owner(self, model_name: str) -> None:
+        """With serve_merged, raise `EngineError` unless `model_name` may be served here: the
+        merged weights are one model's, so one model per engine."""
+        others = {n.rpartition("@")[0] for n in self.adapters} - {model_name}
+        if self.config.serve_merged and others:
+            raise EngineError(
+                f"the engine of {self.served_name!r} serves another model as merged weights "
+                f"({sorted(others)[0]!r}, EngineConfig.serve_merged): one model per base; serve "
+                f"{model_name!r} from a backend of its own or turn serve_merged off")
 
     def upstream_name(self, name: str) -> str:
         """The model name vLLM serves adapter `name` under: the adapter's own, or with merged

@@ -70,8 +70,8 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     try:
         merged: set[str] = set()
         for path in files:
-            save_file(_merged_file(path, deltas, merged), str(tmp / path.name),
-                      metadata=_metadata(path))
+            tensors, metadata = _merged_file(path, deltas, merged)
+            save_file(tensors, str(tmp / path.name), metadata=metadata)
         missing = sorted(set(deltas) - merged)
         if missing:
             raise MergeError(f"{len(missing)} adapted modules have no weight in {base_dir}, "
@@ -86,20 +86,15 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     return out_dir
 
 
-def _metadata(path: Path) -> dict[str, str] | None:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata()
-
-
 def _merged_file(path: Path, deltas: dict[str, tuple[object, object, float]],
-                 merged: set[str]) -> dict[str, object]:
-    """One safetensors file's tensors with the LoRA deltas added; adds merged names to `merged`."""
+                 merged: set[str]) -> tuple[dict[str, object], dict[str, str] | None]:
+    """One safetensors file's tensors with the LoRA deltas added, and its metadata; adds the
+    merged names to `merged`."""
     from safetensors import safe_open
 
     out = {}
     with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             w = f.get_tensor(name)  # [out, in] for a linear weight
             if name in deltas:
@@ -110,4 +105,4 @@ def _merged_file(path: Path, deltas: dict[str, tuple[object, object, float]],
                 w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
                 merged.add(name)
             out[name] = w.contiguous()
-    return out
+    return out, metadata

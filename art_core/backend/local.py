@@ -28,7 +28,7 @@ from typing import Any
 from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.base_models import resolve_base_model
 from art_core.config import TrainConfig
-from art_core.engine import VLLMEngine
+from art_core.engine import EngineError, VLLMEngine
 from art_core.gateway import Gateway
 from art_core.gateway_server import GatewayServer
 from art_core.loggers import SPLIT_TRAIN, Logger, Loggers, StepRecord, group_metrics
@@ -147,11 +147,11 @@ class LocalBackend:
                 f"{served.project!r}: the OpenAI model name must be unique per backend"
             )
         engine = self._engines.get(model.base_model)
-        if engine is not None and engine.config.serve_merged and any(
-                m.engine is engine and m.name != model.name for m in self.gateway.models.values()):
-            raise ValueError(
-                f"the engine of {model.base_model!r} serves another model as merged weights "
-                f"(EngineConfig.serve_merged): {model.name!r} needs a backend of its own")
+        if engine is not None:  # refused before anything of the model is written
+            try:
+                engine.check_merged_owner(model.name)
+            except EngineError as e:
+                raise ValueError(str(e)) from None
         with self._model_lock(model):
             md.remove_partial_checkpoints()  # a step killed mid-save leaves a temp directory
             known = md.read_model_json()
