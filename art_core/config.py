@@ -47,7 +47,8 @@ class EngineConfig(_Strict):
     chat_template: str | None = Field(None, description=(
         "Path to a Jinja chat template overriding the model's own; None keeps the model's."))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
-        "'auto' lets vLLM pick (bf16 on CPU and modern GPUs)."))
+        "'auto' lets vLLM pick (bf16 on modern GPUs and on CPUs with AVX512-BF16 or AMX), except "
+        "on a CPU without native bf16, where it means float32: there bf16 decodes ~2x slower."))
     gpu_memory_utilization: float = Field(0.45, gt=0.0, le=0.95, description=(
         "CUDA only. Share of GPU memory for vLLM; 0.45 leaves room for the trainer on one GPU."))
     cpu_kv_cache_gib: int = Field(1, ge=1, description=(
@@ -75,8 +76,9 @@ class EngineConfig(_Strict):
         "the base model (FIELD-NOTES); merged weights decode at the base's speed. Off by "
         "default because it narrows what the engine serves: one trainable model per base, only "
         "its latest step (older name@step and the base model's own name are refused, so the "
-        "base cannot also be the RULER judge), and bf16 rounding of W + BA can erase updates "
-        "smaller than half a bf16 step of W (watch sampler_trainer_prob_diff)."))
+        "base cannot also be the RULER judge), and where vLLM computes in bf16, rounding W + BA "
+        "to bf16 can erase updates smaller than half a bf16 step of W (watch "
+        "sampler_trainer_prob_diff; a float32 server gets float32 merged weights)."))
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))
 

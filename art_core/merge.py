@@ -2,8 +2,9 @@
 
     W' = W + (alpha / r) * B @ A        W: [out, in]   B: [out, r]   A: [r, in]
 
-computed in float32 and stored in the base checkpoint's dtype. Every other tensor is copied as it
-is. The output mirrors the base's safetensors files (one output file per input file, so memory
+computed in float32 and stored in the base checkpoint's dtype, or in `dtype` when the server
+computes in a wider one (a bf16 checkpoint served in float32 keeps the whole of a small delta,
+which bf16 would round away). Every other tensor is copied as it is. The output mirrors the base's safetensors files (one output file per input file, so memory
 stays at one file's size) plus its JSON configs, and vLLM reloads it in place
 (`VLLMEngine` with `EngineConfig.serve_merged`).
 
@@ -53,8 +54,10 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, tuple[object, object, floa
     return deltas
 
 
-def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write base + LoRA as a safetensors checkpoint in `out_dir` (replaced if present).
+def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
+               dtype: str | None = None) -> Path:
+    """Write base + LoRA as a safetensors checkpoint in `out_dir` (replaced if present); the
+    merged tensors in `dtype` ("float32", ...) if given, else in the checkpoint's dtype.
 
     Raises `MergeError` if an adapted module has no weight of the right shape in the base."""
     from safetensors.torch import save_file
@@ -70,7 +73,7 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     try:
         merged: set[str] = set()
         for path in files:
-            tensors, metadata = _merged_file(path, deltas, merged)
+            tensors, metadata = _merged_file(path, deltas, merged, dtype)
             save_file(tensors, str(tmp / path.name), metadata=metadata)
         missing = sorted(set(deltas) - merged)
         if missing:
@@ -87,9 +90,11 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
 
 
 def _merged_file(path: Path, deltas: dict[str, tuple[object, object, float]],
-                 merged: set[str]) -> tuple[dict[str, object], dict[str, str] | None]:
+                 merged: set[str], dtype: str | None) -> tuple[dict[str, object],
+                                                             dict[str, str] | None]:
     """One safetensors file's tensors with the LoRA deltas added, and its metadata; adds the
     merged names to `merged`."""
+    import torch
     from safetensors import safe_open
 
     out = {}
@@ -102,7 +107,8 @@ def _merged_file(path: Path, deltas: dict[str, tuple[object, object, float]],
                 if tuple(w.shape) != (b.shape[0], a.shape[1]):
                     raise MergeError(f"{name}: base shape {tuple(w.shape)} does not fit the "
                                      f"adapter's B {tuple(b.shape)} x A {tuple(a.shape)}")
-                w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+                out_dtype = getattr(torch, dtype) if dtype else w.dtype
+                w = (w.float() + scale * (b.float() @ a.float())).to(out_dtype)
                 merged.add(name)
             out[name] = w.contiguous()
     return out, metadata

@@ -19,7 +19,8 @@ The rollout split is by mean per-request latency (requests run concurrently, so 
 is shared out in those proportions). Trainer phases are timed by wrapping this repository's own
 functions in this process only, plus torch's public optimizer hooks: no library is patched.
 
-Limits, measured here: bf16 matmul FLOP/s (a 2048^3 GEMM, 1 thread and --threads) and memory
+Limits, measured here: matmul FLOP/s in the default precision (bf16 where the CPU has it
+natively, else float32) (a 2048^3 GEMM, 1 thread and --threads) and memory
 bandwidth (a 256 MiB copy, 1 thread), with the nominal AMX peak (1024 bf16 FLOP/cycle/core)
 for reference. From them: training tokens/s <= GEMM FLOP/s / (k x 2 x linear params) per token
 of sequence (k = 3 with gradient checkpointing: forward, recompute, input gradients; LoRA's
@@ -131,12 +132,12 @@ def instrument(timeline: Timeline) -> None:
 # ---- limits --------------------------------------------------------------------------------
 
 
-def gemm_flops(threads: int, n: int = 2048, seconds: float = 1.5) -> float:
+def gemm_flops(threads: int, dtype: str, n: int = 2048, seconds: float = 1.5) -> float:
     import torch
 
     torch.set_num_threads(threads)
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
     a @ b  # warm up (oneDNN picks its kernel)
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -329,7 +330,11 @@ def report(args: argparse.Namespace, steps: list[dict[str, float]], tokens: dict
           f"{max(wall - accounted, 0) / wall:>6.1%}")
 
     linear, total = model_counts(model_path(args.model))
-    peak_1, peak_n = gemm_flops(1), gemm_flops(args.threads)
+    from art_core.engine import cpu_supports_bf16
+
+    # the precision the trainer and the engine pick here by default (bf16 only where native)
+    dtype, width = ("bfloat16", 2) if cpu_supports_bf16() else ("float32", 4)
+    peak_1, peak_n = gemm_flops(1, dtype), gemm_flops(args.threads, dtype)
     bw = bandwidth()
     nominal = nominal_amx_flops(args.threads)
     n = len(steps)
@@ -339,7 +344,7 @@ def report(args: argparse.Namespace, steps: list[dict[str, float]], tokens: dict
     seq_limit = peak_n / (k * 2 * linear)
     print(f"\nlimits on this machine ({args.threads} threads for training, "
           f"{args.engine_threads} for the engine)")
-    print(f"  bf16 GEMM: {peak_1 / 1e12:.2f} TFLOP/s on 1 thread, {peak_n / 1e12:.2f} on "
+    print(f"  {dtype} GEMM: {peak_1 / 1e12:.3f} TFLOP/s on 1 thread, {peak_n / 1e12:.3f} on "
           f"{args.threads}" + (f"; nominal AMX peak {nominal / 1e12:.1f}" if nominal else ""))
     print(f"  memory bandwidth (1-thread copy): {bw / 1e9:.1f} GB/s")
     print(f"  model: {linear / 1e6:.0f} M parameters in linear layers, {total / 1e6:.0f} M in all")
@@ -349,12 +354,12 @@ def report(args: argparse.Namespace, steps: list[dict[str, float]], tokens: dict
     if tokens.get("rollout_s"):
         batch = args.groups * GROUP_SIZE
         engine_peak = peak_1 * args.engine_threads
-        decode_limit = min(batch * bw * args.engine_threads / (2 * total),
+        decode_limit = min(batch * bw * args.engine_threads / (width * total),
                            engine_peak / (2 * linear))
         reached = tokens["sampled"] / tokens["rollout_s"]
         print(f"  decoding ({batch} in flight): {reached:.0f} sampled tok/s reached, limit "
-              f"{decode_limit:.0f} ({reached / decode_limit:.1%}; weights {2 * total / 1e6:.0f} "
-              f"MB bf16 read once per engine step, or 2 x {linear / 1e6:.0f} M FLOP per token)")
+              f"{decode_limit:.0f} ({reached / decode_limit:.1%}; weights "
+              f"{width * total / 1e6:.0f} MB {dtype} read once per engine step, or 2 x {linear / 1e6:.0f} M FLOP per token)")
 
 
 def main() -> None:

@@ -19,7 +19,9 @@ their order, group size 8, maximum completion length, temperature 1 with no top-
 learning rate (constant schedule, AdamW betas 0.9/0.999, no weight decay, grad-norm clip 1),
 loss CISPO with the importance weight capped at 5 (ours epsilon_high=4: cap 1+4; TRL
 epsilon_high=5.0: cap 5.0), no KL term (ours kl_coef=0, TRL beta=0), rewards scaled by the
-group std, gradient checkpointing, bf16 (frozen weights in bf16, autocast), micro-batch size
+group std, gradient checkpointing, precision (`--precision`: bf16 (frozen weights in bf16,
+autocast) where the CPU multiplies bf16 natively, else float32 everywhere, the sampler included:
+on an AVX2-only CPU torch's bf16 matmul runs at 0.8 GFLOP/s against 34 in float32), micro-batch size
 (TRL: per_device_train_batch_size, with gradient accumulation to one optimizer step per
 generation batch), torch threads (`--threads`).
 
@@ -76,6 +78,7 @@ MODELS = ("smollm2", "tiny-qwen3")
 SYSTEMS = ("trl", "trl-vllm", "ours", "ours-merged")
 OURS = ("ours", "ours-merged")  # LoRA served by vLLM; merged weights (EngineConfig.serve_merged)
 RESULT_TAG = "RESULT "
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # --precision -> torch / vLLM dtype name
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -226,7 +229,8 @@ def run_trl(args: argparse.Namespace, use_vllm: bool) -> WorkerResult:
                            vllm_max_model_length=args.max_tokens + 512)
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=True, seed=0, report_to="none",
+            output_dir=out, use_cpu=True, bf16=args.precision == "bf16", seed=0,
+            report_to="none",
             logging_steps=1, save_strategy="no", disable_tqdm=True,
             max_steps=total, learning_rate=args.learning_rate, lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
@@ -237,7 +241,7 @@ def run_trl(args: argparse.Namespace, use_vllm: bool) -> WorkerResult:
             temperature=1.0, top_p=1.0, top_k=0, generation_kwargs=gen_kwargs or None,
             loss_type="cispo", epsilon_high=5.0, beta=0.0, scale_rewards="group",
             num_iterations=1, shuffle_dataset=False, gradient_checkpointing=args.checkpointing,
-            model_init_kwargs={"dtype": "bfloat16"}, dataloader_num_workers=0,
+            model_init_kwargs={"dtype": DTYPES[args.precision]}, dataloader_num_workers=0,
             **vllm_kwargs,
         )
         lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
@@ -278,7 +282,8 @@ async def run_ours(args: argparse.Namespace, merged: bool = False) -> WorkerResu
     config = TrainConfig(learning_rate=args.learning_rate, loss="cispo", epsilon_high=4.0,
                          kl_coef=0.0, scale_rewards=True, max_grad_norm=1.0, weight_decay=0.0,
                          micro_batch_size=args.micro_batch,
-                         gradient_checkpointing=args.checkpointing)
+                         gradient_checkpointing=args.checkpointing,
+                         bf16=args.precision == "bf16")
     with tempfile.TemporaryDirectory() as root:
         async with LocalBackend(root) as backend:
             model = TrainableModel(
@@ -288,6 +293,7 @@ async def run_ours(args: argparse.Namespace, merged: bool = False) -> WorkerResu
                                     target_modules=TARGET_MODULES),
                     engine=EngineConfig(max_model_len=max(2048, args.max_tokens + 512),
                                         cpu_threads=args.engine_threads,
+                                        dtype=DTYPES[args.precision],
                                         serve_merged=merged)))
             await model.register(backend)
             client = model.openai_client()
@@ -409,7 +415,8 @@ def run_worker(args: argparse.Namespace, system: str, model: str, length: int
            "--length", str(length), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--groups", str(args.groups), "--micro-batch", str(args.micro_batch),
            "--threads", str(args.threads), "--engine-threads", str(args.engine_threads),
-           "--learning-rate", str(args.learning_rate), "--rank", str(args.rank)]
+           "--learning-rate", str(args.learning_rate), "--rank", str(args.rank),
+           "--precision", args.precision]
     cmd += [] if args.exact_length else ["--no-exact-length"]
     cmd += [] if args.checkpointing else ["--no-checkpointing"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -454,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="let completions stop at EOS (then the two systems' work differs)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="gradient checkpointing off in both trainers")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="both systems, sampler and trainer: auto = bf16 where the CPU has "
+                        "native bf16 (AVX512-BF16 or AMX), else fp32")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     p.add_argument("--quick", action="store_true",
                    help="smoke setting: tiny Qwen3, 16 tokens, 1 warm-up + 2 steps")
@@ -462,6 +472,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.precision == "auto":
+        from art_core.engine import cpu_supports_bf16
+
+        args.precision = "bf16" if cpu_supports_bf16() else "fp32"
     if args.worker:
         args.max_tokens = args.length
         worker(args)
@@ -474,7 +488,8 @@ def main(argv: list[str] | None = None) -> None:
           f"+ {args.steps} counted steps, threads {args.threads} (our engine "
           f"{args.engine_threads}), LoRA r={args.rank}, lr {args.learning_rate}, "
           f"{'exact' if args.exact_length else 'maximum'} lengths {args.max_tokens}, "
-          f"micro-batch {args.micro_batch}, checkpointing {args.checkpointing}", flush=True)
+          f"micro-batch {args.micro_batch}, checkpointing {args.checkpointing}, "
+          f"precision {args.precision}", flush=True)
     results = [run_worker(args, system, model, length)
                for model in args.models for length in args.max_tokens
                for system in args.systems]

@@ -63,3 +63,21 @@ def test_sizes_are_validated_as_config():
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError):
         EngineConfig(data_parallel_sizes=2)  # type: ignore[call-arg]  # a typo is an error
+
+
+@pytest.mark.parametrize(("dtype", "cuda", "cpu_bf16", "served"), [
+    ("auto", False, False, "float32"),   # AVX2-only CPU: emulated bf16 decodes ~2x slower
+    ("auto", False, True, "auto"),       # AVX512-BF16 / AMX: vLLM's bf16
+    ("auto", True, False, "auto"),       # a GPU: vLLM picks
+    ("bfloat16", False, False, "bfloat16"),  # an explicit choice is kept
+    ("float32", True, True, "float32"),
+])
+def test_auto_dtype_is_float32_on_a_cpu_without_bf16(tiny_models, monkeypatch, dtype, cuda,
+                                                     cpu_bf16, served):
+    from art_core import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "cpu_supports_bf16", lambda: cpu_bf16)
+    engine = VLLMEngine(str(tiny_models["llama"]), served_name="m",
+                        config=EngineConfig(dtype=dtype), cuda=cuda)
+    assert engine.dtype == served
+    assert vllm_engine_args(engine.command()).dtype == served
