@@ -248,7 +248,8 @@ def naive_logprobs(hidden, weight, targets, bias=None):
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 14, 64])  # N = 2 x 7 = 14 positions
 @pytest.mark.parametrize("head", ["weight", "module"])
-def test_chunked_logprobs_match_naive(chunk_size, head):
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 20])  # recompute in backward, or keep
+def test_chunked_logprobs_match_naive(chunk_size, head, keep_bytes):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 7, 8, generator=g, requires_grad=True)
     linear = torch.nn.Linear(8, 11, bias=head == "module")
@@ -256,7 +257,7 @@ def test_chunked_logprobs_match_naive(chunk_size, head):
     coef = torch.randn(2, 7, generator=g)  # a loss that weighs every position differently
 
     lm_head = linear.weight if head == "weight" else linear
-    lp, ent = chunked_token_logprobs(hidden, lm_head, targets, chunk_size)
+    lp, ent = chunked_token_logprobs(hidden, lm_head, targets, chunk_size, keep_bytes=keep_bytes)
     (lp * coef).sum().backward()
     got = (hidden.grad.clone(), linear.weight.grad.clone())
     hidden.grad, linear.weight.grad = None, None
@@ -271,20 +272,30 @@ def test_chunked_logprobs_match_naive(chunk_size, head):
     assert not ent.requires_grad
 
 
-def test_chunked_logprobs_keep_no_logits_for_backward():
-    # Autograd must not hold any chunk's [chunk, V] logits: the chunks are recomputed in backward.
-    hidden = torch.randn(2, 64, 16, requires_grad=True)
-    weight = torch.randn(5000, 16, requires_grad=True)
+FULL = 128 * 5000 * 4  # bytes of the float32 log-softmax of all 2 x 64 positions below
+
+
+@pytest.mark.parametrize(("keep_bytes", "kept"), [
+    (0, False),  # the default of the function: always recompute
+    (FULL - 1, False),  # one byte short: recompute
+    (FULL, True),  # fits: autograd keeps each chunk's [16, 5000] log-softmax
+])
+def test_chunked_logprobs_keep_logits_for_backward_only_within_budget(keep_bytes, kept):
+    hidden = torch.randn(2, 64, 8, requires_grad=True)
+    weight = torch.randn(5000, 8, requires_grad=True)
     targets = torch.randint(0, 5000, (2, 64))
-    saved: list[int] = []
+    saved: dict[int, int] = {}  # storage -> elements, each saved tensor counted once
 
     def pack(x):
-        saved.append(x.numel())
+        saved[x.data_ptr()] = x.numel()
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        lp, _ = chunked_token_logprobs(hidden, weight, targets, 16)
-    assert max(saved) < 16 * 5000  # one chunk's logits; the whole batch's would be 128 * 5000
+        lp, _ = chunked_token_logprobs(hidden, weight, targets, 16, keep_bytes=keep_bytes)
+    chunk_logits = sum(n == 16 * 5000 for n in saved.values())  # a chunk's [16, 5000]
+    assert chunk_logits == (8 if kept else 0), saved
+    inputs = weight.numel() + hidden.numel() + targets.numel()
+    assert sum(saved.values()) <= FULL // 4 + inputs  # elements: the budget's, and the inputs
     lp.sum().backward()
     assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
 

@@ -166,14 +166,17 @@ def chunked_token_logprobs(
     chunk_size: int,
     *,
     positions: Tensor | None = None,  # [B, T] bool: compute only here (0 elsewhere)
+    keep_bytes: int = 0,
 ) -> tuple[Tensor, Tensor]:  # logprobs [B, T] float32 (with grad), entropy [B, T] float32 (no grad)
     """log p(target) and the entropy at each position, `chunk_size` tokens at a time.
 
     The B*T positions are flattened and processed in chunks, so at most [chunk_size, V] logits
-    exist at once. Under autograd each chunk is checkpointed: its logits are dropped after the
-    forward and recomputed in backward, otherwise autograd would keep every chunk's [chunk, V]
-    log-softmax alive and the full [B, T, V] would be materialised after all. Gradients flow into
-    hidden_states and into lm_head when it requires grad.
+    are computed at once. Autograd keeps each chunk's float32 [chunk, V] log-softmax for backward
+    while all of them together take at most `keep_bytes`; above that every chunk is
+    checkpointed instead: dropped after the forward and recomputed in backward, so that the full
+    [B, T, V] is never held, at ~1.6x the lm head's time (measured: SmolLM2's head over 1024
+    positions, bf16, 0.98 s against 0.61 s). Gradients flow into hidden_states and into lm_head
+    when it requires grad.
 
     The projection runs in the hidden states' dtype (as the model and vLLM compute logits); the
     log-softmax in float32: bf16 rounds a logprob near -10 by up to 0.03 nats, too coarse for ratios.
@@ -199,10 +202,14 @@ def chunked_token_logprobs(
             entropy = -(logsm.exp() * logsm).sum(-1)  # [n]
         return logsm.gather(-1, y[:, None]).squeeze(-1), entropy  # [n], [n]
 
+    vocab = lm_head.shape[0] if isinstance(lm_head, Tensor) else getattr(
+        lm_head, "out_features", None)  # a callable of unknown width: always recompute
+    recompute = torch.is_grad_enabled() and (
+        vocab is None or flat_h.shape[0] * vocab * 4 > keep_bytes)  # float32 [M, V] bytes
     lps, ents = [], []
     for start in range(0, flat_h.shape[0], chunk_size):
         x, y = flat_h[start : start + chunk_size], flat_t[start : start + chunk_size]
-        if torch.is_grad_enabled():
+        if recompute:
             lp, ent = checkpoint(chunk, x, y, use_reentrant=False)
         else:
             lp, ent = chunk(x, y)

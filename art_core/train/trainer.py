@@ -237,6 +237,7 @@ class Trainer:
         return chunked_token_logprobs(
             hidden, inner.get_output_embeddings().weight, shifted["target_ids"],
             config.logprob_chunk_size, positions=shifted["loss_mask"],
+            keep_bytes=config.logprob_keep_mb << 20,
         )
 
     # ---- the opt-in fallback ---------------------------------------------------------------
