@@ -63,3 +63,17 @@ def test_optimizer_state_resumes_only_for_its_own_checkpoint(trainer, tiny_model
         assert torch.equal(saved["exp_avg"], loaded["exp_avg"])
         assert torch.equal(saved["exp_avg_sq"], loaded["exp_avg_sq"])
         assert int(loaded["step"]) == int(saved["step"]) == 1
+
+
+@pytest.mark.parametrize("settings", [
+    (True, True, True),  # steps with checkpointing: one embedding hook, not one per step
+    (True, False, True),  # off in between: its hook removed, then one again
+    (False, False),  # never on: none
+])
+def test_checkpointing_keeps_one_embedding_hook_across_steps(trainer, settings):
+    group = make_group(trainer.tokenizer)
+    embeddings = trainer.model.get_input_embeddings()
+    for on in settings:
+        trainer.step([group], TrainConfig(learning_rate=1e-2, bf16=False,
+                                          gradient_checkpointing=on))
+        assert len(embeddings._forward_hooks) == int(on), (settings, on)

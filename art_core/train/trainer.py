@@ -64,6 +64,7 @@ class Trainer:
         self.lora_params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer: torch.optim.AdamW | None = None
         self._optimizer_key: tuple[float, float] | None = None
+        self._checkpointing: bool | None = None  # gradient checkpointing, once set by a step
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id or 0
@@ -161,12 +162,7 @@ class Trainer:
         sequences = self._local_share(sequences)  # all of them, unless one rank of several
         low, high = config.clip_bounds()
         use_bf16 = self.bf16_capable if config.bf16 is None else config.bf16
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.enable_input_require_grads()
-        else:
-            self.model.gradient_checkpointing_disable()
+        self._set_checkpointing(config.gradient_checkpointing)
         self.model.train()
 
         sums: dict[str, float] = {}
@@ -217,6 +213,20 @@ class Trainer:
     def _local_share(self, sequences: list[B.Sequence]) -> list[B.Sequence]:
         """The sequences this process trains: all of them in a single process."""
         return sequences
+
+    def _set_checkpointing(self, on: bool) -> None:
+        """Gradient checkpointing on or off, changed only when the setting changes: each
+        enable adds one more forward hook to the embeddings (enable_input_require_grads, so
+        that checkpointed blocks see inputs that require grad with the base frozen)."""
+        if on == self._checkpointing:
+            return
+        if on:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_disable()
+            self.model.disable_input_require_grads()
+        self._checkpointing = on
 
     def _reduce_across_ranks(self, sums: dict[str, float],
                              trained: int) -> tuple[dict[str, float], int]:
