@@ -5,8 +5,6 @@ reaches a direct child, so when the art process is SIGKILLed those grandchildren
 This watchdog sits between: it leads a process group of its own (art starts it with setsid),
 runs the command inside that group, and when its parent dies (PDEATHSIG, or a changed parent
 pid) or it is told to stop, it stops the command gracefully and then kills the whole group.
-Art pauses vLLM during a training step (SIGSTOP to the group, then SIGCONT to this leader), so
-the watchdog stays awake and wakes the group before it stops it.
 
     python -m art_core._watchdog <command ...>
 """
@@ -33,7 +31,6 @@ def main() -> None:
     def stop(*_: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-        os.killpg(0, signal.SIGCONT)  # paused during a training step (sleep): run, to exit
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=GRACE_S)
         os.killpg(0, signal.SIGKILL)  # whatever is left of the group, this process included

@@ -67,10 +67,9 @@ class EngineConfig(_Strict):
         "tensor_parallel_size GPUs) behind one server, for rollout throughput. vLLM sends a "
         "runtime LoRA load to every replica before it answers."))
     sleep_while_training: bool = Field(True, description=(
-        "Put vLLM to sleep during a training step. CUDA: its sleep mode frees GPU memory for "
-        "the trainer. CPU: its processes are paused (SIGSTOP/SIGCONT), so that its idle "
-        "polling does not take a core from the trainer; requests wait at the closed gate "
-        "either way."))
+        "CUDA only: put vLLM to sleep during a training step so the trainer gets the GPU "
+        "memory. (On CPU, pausing vLLM's processes was measured: after SIGCONT its first "
+        "requests took seconds to start, more than its idle polling costs the trainer.)"))
     startup_timeout_s: float = Field(300.0, gt=0, description=(
         "How long to wait for vLLM to report healthy. CPU start is ~20-30 s; slow disks more."))
     serve_merged: bool = Field(False, description=(

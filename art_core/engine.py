@@ -323,7 +323,6 @@ class VLLMEngine:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-                os.killpg(proc.pid, signal.SIGCONT)  # a paused group (sleep) must run to exit
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=25)  # the watchdog gives vLLM 15 s to shut down
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -411,36 +410,15 @@ class VLLMEngine:
                     self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
     def sleep(self) -> None:
-        """Make room for a training step (the gateway's gate is closed meanwhile, so no request
-        reaches vLLM). CUDA: vLLM's sleep mode frees its GPU memory. CPU: vLLM's processes are
-        paused (SIGSTOP to its process group), because idle they still take CPU from the
-        trainer: its worker busy-waits for 1 s after the last request (vLLM's shm
-        `SpinCondition`), a third of the two cores while the trainer starts."""
-        if not self.config.sleep_while_training or self._sleeping:
-            return
-        if self.cuda:
+        """Free GPU memory for training (CUDA only; a no-op on CPU, where nothing is shared)."""
+        if self.cuda and self.config.sleep_while_training and not self._sleeping:
             self._post("/sleep", params={"level": "1"})
-        else:
-            with self._lock:
-                if not self.running:
-                    return
-                pgid = self._proc.pid  # type: ignore[union-attr]
-                os.killpg(pgid, signal.SIGSTOP)
-                # the watchdog (the group's leader) keeps running: it must still take vLLM down
-                # if this process dies mid-step (it wakes the group first, see _watchdog.py)
-                os.kill(pgid, signal.SIGCONT)
-        self._sleeping = True
+            self._sleeping = True
 
     def wake_up(self) -> None:
-        if not self._sleeping:
-            return
-        if self.cuda:
+        if self._sleeping:
             self._post("/wake_up")
-        else:
-            with self._lock, contextlib.suppress(ProcessLookupError):
-                if self._proc is not None:
-                    os.killpg(self._proc.pid, signal.SIGCONT)
-        self._sleeping = False
+            self._sleeping = False
 
 
 def _vllm_rank(rank: int) -> int:
