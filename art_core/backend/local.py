@@ -39,6 +39,14 @@ from art_core.trajectory import TrajectoryGroup
 log = logging.getLogger(__name__)
 
 
+def _free_memory() -> None:
+    """Return a dropped trainer's memory (its tensors are freed once unreferenced)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def check_train_processes(n: int) -> int:
     """`n` if it is a usable number of training processes: at least 1 and, on a CUDA host, at
     most the visible GPUs (one rank per GPU). Imports torch only when n > 1."""
@@ -58,9 +66,14 @@ class LocalBackend:
 
     def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
                  gateway: Gateway | None = None, loggers: list[Logger] | None = None,
-                 train_processes: int = 1) -> None:
+                 train_processes: int = 1, trainers_in_memory: int = 2) -> None:
         """`loggers`: extra loggers besides the run directory and those the environment turns
         on (W&B, Langfuse: see art_core.loggers).
+
+        `trainers_in_memory`: how many models keep their trainer (a copy of the base weights,
+        the LoRA and its optimizer) loaded between steps; the least recently used one beyond
+        that is dropped and reloaded from its checkpoint and optimizer file when it trains
+        again (seconds). Bounds memory when one backend holds many models.
 
         `train_processes`: data-parallel ranks per training step (art_core/train/distributed.py;
         on CUDA one per GPU, at most the visible GPUs). The default 1 trains in this process
@@ -70,13 +83,19 @@ class LocalBackend:
         large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
         self.root = Path(path).resolve()
         self.train_processes = check_train_processes(train_processes)
+        if isinstance(trainers_in_memory, bool) or not isinstance(trainers_in_memory, int) \
+                or trainers_in_memory < 1:
+            raise ValueError(f"trainers_in_memory must be an integer >= 1, got "
+                             f"{trainers_in_memory!r}")
+        self.trainers_in_memory = trainers_in_memory
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
         self._external_loop = gateway is not None  # `art serve` runs the gateway itself
         self._host, self._port = host, port
         self._engines: dict[str, VLLMEngine] = {}
-        self._trainers: dict[tuple[str, str], Any] = {}  # (project, name) -> Trainer
+        # (project, name) -> Trainer, least recently used first
+        self._trainers: dict[tuple[str, str], Any] = {}
         self._model_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -197,7 +216,8 @@ class LocalBackend:
 
     def _trainer(self, model: TrainableModel) -> Any:
         key = (model.project, model.name)
-        trainer = self._trainers.get(key)
+        with self._lock:
+            trainer = self._trainers.pop(key, None)
         if trainer is None:
             from art_core.train.trainer import Trainer
 
@@ -207,18 +227,22 @@ class LocalBackend:
             if step is not None:
                 trainer.load_adapter(md.checkpoint(step))
                 trainer.load_optimizer(md.optimizer, TrainConfig(), checkpoint=step)
-            self._trainers[key] = trainer
+        with self._lock:
+            self._trainers[key] = trainer  # now the most recently used
+            evicted = list(self._trainers)[:-self.trainers_in_memory]
+            for old in evicted:  # their checkpoints and optimizer files are on disk
+                del self._trainers[old]
+        if evicted:
+            _free_memory()
         return trainer
 
     def _drop_trainer(self, model: TrainableModel) -> None:
         """Forget the in-process trainer (its weights are stale once other processes trained a
         step; the next in-process step loads the latest checkpoint) and free its memory."""
-        if self._trainers.pop((model.project, model.name), None) is None:
-            return
-        gc.collect()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        with self._lock:
+            if self._trainers.pop((model.project, model.name), None) is None:
+                return
+        _free_memory()
 
     async def get_step(self, model: TrainableModel) -> int:
         step = self._dir(model).latest_step()
