@@ -47,11 +47,16 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _positive_int(name: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+    return n
+
+
 def check_train_processes(n: int) -> int:
     """`n` if it is a usable number of training processes: at least 1 and, on a CUDA host, at
     most the visible GPUs (one rank per GPU). Imports torch only when n > 1."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"train_processes must be an integer >= 1, got {n!r}")
+    _positive_int("train_processes", n)
     if n > 1:
         import torch
 
@@ -83,11 +88,7 @@ class LocalBackend:
         large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
         self.root = Path(path).resolve()
         self.train_processes = check_train_processes(train_processes)
-        if isinstance(trainers_in_memory, bool) or not isinstance(trainers_in_memory, int) \
-                or trainers_in_memory < 1:
-            raise ValueError(f"trainers_in_memory must be an integer >= 1, got "
-                             f"{trainers_in_memory!r}")
-        self.trainers_in_memory = trainers_in_memory
+        self.trainers_in_memory = _positive_int("trainers_in_memory", trainers_in_memory)
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
