@@ -193,7 +193,8 @@ class VLLMEngine:
             if c.sleep_while_training:
                 args.append("--enable-sleep-mode")
         else:
-            # One in-process worker: no extra process fighting for the 2 cores (FIELD-NOTES).
+            # One in-process worker: no extra process fighting for the 2 cores (FIELD-NOTES);
+            # it takes effect with VLLM_ENABLE_V1_MULTIPROCESSING=0 (environment()).
             args += ["--distributed-executor-backend", "uni"]
         return args + list(c.extra_args)
 
@@ -209,14 +210,13 @@ class VLLMEngine:
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
-            if self.config.serve_merged:
-                # The worker inside the engine-core process (vLLM's uni executor). With its own
-                # process (mp, vLLM's CPU default) the worker busy-polls a core for 1 s after
-                # the last request, which the trainer then runs beside. Measured, SmolLM2, 8 x 64
-                # tokens then a trainer step: 3.6-4.6 s after generation, 2.5-2.7 s idle; with
-                # this 2.4-2.9 s, generation as fast. Through a runtime LoRA, generation got
-                # slower by what training gained, so that path keeps vLLM's default.
-                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # vLLM's worker inside its engine-core process (the uni executor, which vLLM's CPU
+            # platform replaces with a worker process of its own unless this is set). That
+            # worker busy-polls a core for 1 s after the last request, beside the trainer.
+            # Measured (benchmarks/vs_trl.py, 8 x 64 tokens), the step without it: SmolLM2
+            # 7.9 -> 7.0 s through a runtime LoRA, tiny Qwen3 1.46 -> 0.47 s; generation no
+            # slower, one process (~0.6 GB) less.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
     def start(self) -> None:

@@ -208,8 +208,6 @@ async def profile_with_engine(args: argparse.Namespace, timeline: Timeline
     steps: list[dict[str, float]] = []
     tokens: dict[str, float] = defaultdict(float)
     with tempfile.TemporaryDirectory() as root:
-        import os
-        root = os.environ.get("PROFILE_ROOT", root)
         async with LocalBackend(root) as backend, httpx.AsyncClient(timeout=60) as http:
             model = TrainableModel(
                 name="profile", project="bench", base_model=path,

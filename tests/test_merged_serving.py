@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from art_core import EngineConfig, ModelConfig, TrainableModel, TrainConfig
 from art_core.gather import gather_trajectory_groups
 from art_core.tiny import build_tiny_model
+from art_core.train.trainer import Trainer
 from tests.conftest import release_engine
 from tests.test_training_e2e import rollout
 
@@ -50,10 +52,19 @@ def reference_logprobs(base: str, adapter=None) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0]
 
 
-async def test_merged_serving_samples_the_trained_step(backend, tmp_path_factory):
+async def test_merged_serving_samples_the_trained_step(backend, tmp_path_factory, monkeypatch):
     base = str(build_tiny_model(tmp_path_factory.mktemp("merged") / "qwen3", "qwen3"))
+    threads = []  # where the trainer was built and stepped: one thread, for one OpenMP team
+    for method in ("__init__", "step"):
+        original = getattr(Trainer, method)
+
+        def recorded(self, *args, _original=original, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(Trainer, method, recorded)
     try:
         await check_merged_serving(backend, base)
+        assert len(threads) == 2 and all(t.startswith("art-trainer") for t in threads), threads
     finally:  # this base is the module's own: free its engine's memory for the tests after
         if base in backend._engines:
             await release_engine(backend, base)
