@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from art_core import LoraConfig
-from art_core.merge import MergeError, merge_lora
+from art_core.merge import MergeError, merge_lora, merged_weights
 from art_core.tiny import ARCHS, build_tiny_model
 from art_core.train.trainer import Trainer
 
@@ -109,6 +109,22 @@ def test_adapters_that_do_not_fit_are_refused_and_leave_nothing(case, tensors, c
         merge_lora(base, tmp_path / "adapter", previous)
     assert (previous / "marker").read_text() == "the last good merge", case
     assert not (tmp_path / "merged.tmp").exists()
+    # the stream vLLM's worker reloads from is refused at the call, before any tensor flows
+    with pytest.raises(MergeError, match=message):
+        merged_weights(base, tmp_path / "adapter")
+
+
+def test_the_stream_vllm_reloads_is_the_checkpoint_merge_lora_writes(tmp_path):
+    base = build_tiny_model(tmp_path / "base", "qwen3")
+    trained_adapter(base, tmp_path / "adapter")
+    written = merge_lora(base, tmp_path / "adapter", tmp_path / "merged")
+    on_disk = {k: v for f in written.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    streamed = dict(merged_weights(base, tmp_path / "adapter"))
+    assert streamed.keys() == on_disk.keys()
+    for name, tensor in on_disk.items():
+        assert torch.equal(streamed[name], tensor), name
+    base_t = {k: v for f in base.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert any(not torch.equal(streamed[k], base_t[k]) for k in base_t)  # something was merged
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path):
