@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from art_core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
-from art_core.model import DEFAULT_BASE_MODEL, Model, TrainableModel
+from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
 from art_core.recording import MessageRecorder, Recorder, ToolEvent, current_recorder, recording
 from art_core.trajectory import (
     History,
@@ -29,11 +29,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "LocalBackend": "art_core.backend.local",
     "RemoteBackend": "art_core.backend.remote",
-    "TrainResult": "art_core.backend.base",
 }
 
 if TYPE_CHECKING:
-    from art_core.backend.base import TrainResult
     from art_core.backend.local import LocalBackend
     from art_core.backend.remote import RemoteBackend
 
@@ -46,6 +44,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_BASE_MODEL",
+    "Backend",
+    "Endpoint",
     "EngineConfig",
     "GatherError",
     "History",

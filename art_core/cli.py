@@ -1,8 +1,14 @@
 """The `art` command line.
 
 Each command is a small function that imports what it needs inside its body, so `art --help`
-and `import art_core.cli` stay fast and need no torch, vLLM or litellm. To add a command
-(e.g. `art serve`), write one more `@app.command()` function here and import its module lazily.
+and `import art_core.cli` stay fast and need no torch, vLLM or litellm.
+
+Core commands are written here. Any package adds its own through the entry-point group
+`art.commands` (this project's integrations do: `art demo` from art_langgraph, `art mcp-train`
+and `art autorl` from art_mcp; see pyproject.toml): the entry point's name is the command and
+its object a function `main(argv: list[str]) -> int | None` (or a coroutine function), whose
+docstring is the help line. It gets every argument after the command's name, `--` included,
+and parses them itself; art_core knows nothing of it beyond the entry point.
 """
 
 from __future__ import annotations
@@ -11,11 +17,62 @@ import asyncio
 import importlib
 import inspect
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Annotated, Any
 
+import click
 import typer
+from typer.core import TyperGroup
+
+COMMAND_GROUP = "art.commands"
+
+
+def plugin_commands() -> dict[str, EntryPoint]:
+    """The commands packages declare in the `art.commands` entry-point group, by name."""
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
+def _plugin(ep: EntryPoint) -> click.Command:
+    """A pass-through command for a plugin's `main(argv)`: its arguments are its own."""
+    try:
+        fn: Callable[[list[str]], Any] | None = ep.load()
+        doc = inspect.getdoc(fn) or ""
+    except Exception as e:  # noqa: BLE001 - a broken plugin must not break `art --help`
+        fn, doc = None, f"(cannot be loaded: {type(e).__name__}: {e})"
+
+    def run(ctx: click.Context) -> None:
+        if fn is None:
+            typer.echo(f"error: the command {ep.name!r} ({ep.value}) {doc[1:-1]}", err=True)
+            raise typer.Exit(code=1)
+        argv = list(ctx.args)
+        raw = sys.argv[1:]  # click drops "--", which may separate a program's options from ours
+        if ep.name in raw and "--" in raw[raw.index(ep.name):]:
+            argv = raw[raw.index(ep.name) + 1:]
+        _run(fn(argv))
+
+    return click.Command(
+        ep.name, callback=click.pass_context(run), help=doc, short_help=doc.split("\n")[0],
+        add_help_option=False,  # --help goes to the command's own parser
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+
+
+class _Commands(TyperGroup):
+    """Typer's group, plus the plugin commands (loaded only when listed or run)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx),
+                *sorted(set(plugin_commands()) - set(self.commands))]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and name in plugin_commands():
+            command = _plugin(plugin_commands()[name])
+        return command
+
 
 app = typer.Typer(
+    cls=_Commands,
     name="art",
     help="Train LLM agents with reinforcement learning (GRPO on LoRA).",
     no_args_is_help=True,
@@ -56,7 +113,7 @@ def version() -> None:
     typer.echo(_version())
 
 
-def _import_or_exit(module: str, extra: str) -> object:
+def import_or_exit(module: str, extra: str) -> Any:
     """Import `module`, or exit with a message naming what is missing and how to install it."""
     try:
         return importlib.import_module(module)
@@ -80,45 +137,6 @@ def _run(result: object) -> None:
         raise typer.Exit(code=result)
 
 
-@app.command(add_help_option=False,  # --help goes to the demo's own parser, with its options
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def demo(ctx: typer.Context) -> None:
-    """Train a tool-using LangGraph agent on the embedded model, end to end, on CPU
-    (`--task brevity`: the older, faster brevity demo; options: art demo [--task T] --help)."""
-    argv, task = list(ctx.args), "agent"
-    if "--task" in argv:
-        i = argv.index("--task")
-        task = argv[i + 1] if i + 1 < len(argv) else ""
-        del argv[i:i + 2]
-    demos = {"agent": ("art_langgraph.demo", "backend,langgraph"),
-             "brevity": ("art_core.demo", "backend")}
-    if task not in demos:
-        typer.echo(f"error: --task must be one of {', '.join(demos)}; got {task!r}", err=True)
-        raise typer.Exit(code=2)
-    module = _import_or_exit(*demos[task])
-    _run(module.main(argv))  # type: ignore[attr-defined]
-
-
-@app.command("mcp-train", add_help_option=False,  # --help: the command's own parser
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def mcp_train(ctx: typer.Context) -> None:
-    """Train a model on an MCP server's tools (art mcp-train --help; server after --)."""
-    module = _import_or_exit("art_mcp.cli", extra="mcp")
-    argv = list(ctx.args)
-    raw = sys.argv[1:]  # click drops "--", which separates the server's own options from ours
-    if "mcp-train" in raw and "--" in raw:
-        argv = raw[raw.index("mcp-train") + 1:]
-    _run(module.main(argv))  # type: ignore[attr-defined]
-
-
-@app.command(add_help_option=False,  # --help: the command's own parser
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def autorl(ctx: typer.Context) -> None:
-    """Train from a task description alone: generated scenarios, RULER rewards (art autorl --help)."""
-    module = _import_or_exit("art_mcp.cli", extra="backend,ruler")
-    _run(module.autorl_main(list(ctx.args)))  # type: ignore[attr-defined]
-
-
 @app.command()
 def plot(
     path: str = typer.Option(".art", "--path", help="Run directory to read."),
@@ -130,7 +148,7 @@ def plot(
                             help="PNG to write. Default: <path>/curves.png."),
 ) -> None:
     """Draw every model's training curves from a run directory and print a summary."""
-    from art_core.plot import PlotError, plot_curves, read_curves, summary
+    from art_core.observe.plot import PlotError, plot_curves, read_curves, summary
 
     metrics = metric or ["reward_mean", "loss"]
     try:
@@ -151,7 +169,7 @@ def view(
 ) -> None:
     """Browse a run in a local web page: models, steps, rewards, groups and their trajectories
     side by side. Read-only; follows a run that is still training."""
-    from art_core.viewer import serve as serve_view
+    from art_core.observe.viewer import serve as serve_view
 
     try:
         serve_view(path, port)
@@ -192,14 +210,14 @@ def serve(
 
     It serves the OpenAI API for rollouts under /v1 and the training API under /art/v1.
     """
-    from art_core.backend.remote import bind_refusal  # light: checked before anything heavy
+    from art_core.protocol import bind_refusal  # light: checked before anything heavy
 
     key = api_key.strip() or None
     refusal = bind_refusal(host, key)
     if refusal:
         typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(code=2)
-    module = _import_or_exit("art_core.server", extra="backend")
+    module = import_or_exit("art_core.serve.app", extra="backend")
     from art_core.backend.local import check_train_processes
 
     try:  # more processes than GPUs: a clear message now, not a failed first step

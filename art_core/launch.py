@@ -20,7 +20,7 @@ Kubernetes it supports; nothing here is a home-made cluster manager):
    0600) so a later `art launch` with the same name reuses cluster and key.
 
 Auto-stop: SkyPilot counts a cluster as idle only when no job runs, and a server never ends by
-itself, so `art serve` runs with `--idle-exit-minutes` (art_core/idle.py): after that long
+itself, so `art serve` runs with `--idle-exit-minutes` (art_core/serve/idle.py): after that long
 without a request it exits, and SkyPilot's auto-stop stops the cluster `idle_minutes` later.
 
 SkyPilot (`pip install 'art-agents[launch]'`) is imported only inside the functions that need it.

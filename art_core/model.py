@@ -8,7 +8,7 @@ in the endpoint; from then on `model.openai_client()` talks to the gateway, wher
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -17,7 +17,6 @@ from art_core.config import ModelConfig
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-    from art_core.backend.base import Backend, TrainResult
     from art_core.config import TrainConfig
     from art_core.trajectory import TrajectoryGroup
 
@@ -45,6 +44,40 @@ def validate_name(value: str, what: str = "name") -> str:
             "with no path separators and not only dots"
         )
     return value
+
+
+class Endpoint(BaseModel):
+    """Where a registered model is served (OpenAI-compatible)."""
+
+    base_url: str
+    api_key: str | None = None
+
+
+class TrainResult(BaseModel):
+    """What one training step produced."""
+
+    step: int = Field(description="The new checkpoint step, now served under the model's name.")
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """What `LocalBackend` and `RemoteBackend` both implement, so user code switches between
+    them in one line."""
+
+    async def register(self, model: TrainableModel) -> Endpoint: ...
+
+    async def get_step(self, model: TrainableModel) -> int: ...
+
+    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                    config: TrainConfig | None = None) -> TrainResult: ...
+
+    async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                  split: str = "val") -> None: ...
+
+    async def delete_checkpoints(self, model: TrainableModel,
+                                 best_checkpoint_metric: str = "reward_mean") -> list[int]: ...
+
+    async def close(self) -> None: ...
 
 
 class Model(BaseModel):
@@ -120,10 +153,7 @@ class TrainableModel(Model):
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> None:
         """Record groups not trained on (e.g. validation rollouts) at the current step: in the
         run directory (`art view` shows them) and in W&B / Langfuse when configured."""
-        log = getattr(self.backend, "log", None)
-        if log is None:
-            raise NotImplementedError(f"{type(self.backend).__name__} does not log groups")
-        await log(self, groups, split=split)
+        await self.backend.log(self, groups, split=split)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "reward_mean") -> list[int]:
         """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""

@@ -4,7 +4,7 @@
         model.json                  base model and config, written at registration
         checkpoints/0000/ ...       one peft adapter directory per complete step
         journal/0001.jsonl          the groups of step 1, written before that step trains
-        val/0001.jsonl              groups logged with split "val" at step 1 (art_core.loggers),
+        val/0001.jsonl              groups logged with split "val" at step 1 (art_core.observe.loggers),
         val/history.jsonl           and their metrics, one row per log call
         history.jsonl               one row of metrics per step
         requests.jsonl              `art serve` only: train requests already answered, so a

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from art_core.protocol import read_response
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Scalar = str | int | float | bool | None
 
@@ -138,20 +140,13 @@ class History(BaseModel):
                               "arguments": c["function"]["arguments"]}}
                 for c in msg["tool_calls"]
             ]
-        prompt_ids, token_ids = data.get("prompt_token_ids"), ch.get("token_ids")
-        content_lp = (ch.get("logprobs") or {}).get("content")
-        if not prompt_ids or not token_ids or content_lp is None:
+        sampled = read_response(data, choice)
+        if sampled is None:
             raise ValueError(
                 "the response carries no sampled token ids/logprobs: was it served by the art "
                 "gateway (model.openai_client())? Append the message as context instead."
             )
-        turn = SampledTurn(
-            message_index=len(self.messages), prompt_token_ids=prompt_ids,
-            completion_token_ids=token_ids, logprobs=[t["logprob"] for t in content_lp],
-            step=data.get("art_step"), response_id=data.get("id"),
-            finish_reason=ch.get("finish_reason"), started_at=data.get("art_started_at"),
-            latency_s=data.get("art_latency_s"),
-        )
+        turn = SampledTurn(message_index=len(self.messages), **sampled)
         self.messages.append(message)
         self.turns.append(turn)
         return message
@@ -272,4 +267,17 @@ def read_groups_jsonl(path: str | Path) -> list[TrajectoryGroup]:
                 groups.append(TrajectoryGroup.model_validate_json(line))
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: invalid trajectory group: {e}") from e
+    return groups
+
+
+def check_groups(groups: Any) -> list[TrajectoryGroup]:
+    """The `groups` argument of `train`: a non-empty list of TrajectoryGroup (or one group)."""
+    if isinstance(groups, TrajectoryGroup):
+        groups = [groups]
+    groups = list(groups)
+    if not groups:
+        raise ValueError("train() needs at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
     return groups

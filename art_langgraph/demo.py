@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
 import shutil
 import time
@@ -42,9 +41,10 @@ from langchain_core.tools import tool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, gather_trajectories
-from art_core import gather_trajectory_groups as gather_groups
-from art_core.storage import append_jsonl, read_jsonl
+from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_core.loop import EvalStats, load_eval_groups, train_loop
+from art_core.model import TrainResult
+from art_core.storage import read_jsonl
 from art_langgraph.chat_model import init_chat_model
 from art_langgraph.recorder import TrajectoryRecorder
 
@@ -185,37 +185,21 @@ async def episode(graph: Any, q: Question) -> Trajectory:
     return traj
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate k/n (sound for small n and rates near 0)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-async def evaluate(graph: Any, qs: list[Question], n: int, label: str) -> dict[str, Any]:
-    """Episodes on held-out questions (never trained on): success, reward, tool calls."""
-    trajs = await gather_trajectories([episode(graph, q) for q in qs for _ in range(n)],
-                                      description=label)
-    k = sum(bool(t.metrics["success"]) for t in trajs)
-    return {"successes": k, "episodes": len(trajs),
-            "reward": sum(t.reward for t in trajs) / len(trajs),
-            "tool_calls": sum(int(t.metrics["tool_calls"]) for t in trajs) / len(trajs),
-            # one episode per question, so that the same question can be shown before and after
-            "examples": [t.model_dump(include={"messages", "reward"}) for t in trajs[::n]]}
-
-
-def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+def table(rows: list[tuple[str, EvalStats]]) -> str:
     lines = [f"{'':10} {'success':>14} {'95% interval':>16} {'reward':>8} {'tool calls':>11}"]
     for label, r in rows:
-        k, n = r["successes"], r["episodes"]
-        lo, hi = wilson(k, n)
-        lines.append(f"{label:10} {k:>4}/{n:<3} {100 * k / n:5.1f}% "
-                     f"{f'[{100 * lo:.0f}%, {100 * hi:.0f}%]':>16} {r['reward']:8.2f} "
-                     f"{r['tool_calls']:11.2f}")
+        rate = r.rate("success")
+        lo, hi = rate.ci
+        lines.append(f"{label:10} {rate.k:>4}/{rate.n:<3} {100 * rate.value:5.1f}% "
+                     f"{f'[{100 * lo:.0f}%, {100 * hi:.0f}%]':>16} {r.reward:8.2f} "
+                     f"{r.means.get('tool_calls', 0.0):11.2f}")
     return "\n".join(lines)
+
+
+def examples(model_dir: Path, step: int) -> list[dict[str, Any]]:
+    """One held-out episode per question at `step`, as {"messages", "reward"}."""
+    return [g.trajectories[0].model_dump(include={"messages", "reward"})
+            for g in load_eval_groups(model_dir, step) if g.trajectories]
 
 
 def _question(example: dict[str, Any]) -> str:
@@ -236,9 +220,9 @@ def show_episode(label: str, example: dict[str, Any]) -> str:
 
 async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
-              fresh: bool = False, seed: int = 0) -> dict[str, Any]:
-    """Evaluate, train `steps` more steps, evaluate again; returns the two evaluations."""
-    held_out = questions(HELD_OUT_COUNTRIES)
+              fresh: bool = False, seed: int = 0) -> dict[str, EvalStats]:
+    """Evaluate, train `steps` more steps, evaluate again (`art_core.loop.train_loop`);
+    returns the two evaluations."""
     async with LocalBackend(path) as backend:
         model = TrainableModel(name="agent", project="demo")
         model_dir = Path(path) / model.project / "models" / model.name
@@ -251,56 +235,47 @@ async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               f"({time.perf_counter() - t0:.0f} s: engine and gateway up)")
         graph = build_agent(init_chat_model(model, max_tokens=MAX_TOKENS,
                                             temperature=TEMPERATURE))
-        evals_path = model_dir / "eval.jsonl"
-        evals = {int(r["step"]): r for r in read_jsonl(evals_path) if "step" in r}
-        if 0 not in evals:  # the base model, once per run directory
-            evals[0] = {"step": 0, **await evaluate(graph, held_out, eval_samples,
-                                                     "eval step 0 (held-out)")}
-            append_jsonl(evals_path, evals[0])
-        start = await model.get_step()
+        held_out = questions(HELD_OUT_COUNTRIES)
         print(f"\nheld-out: {len(HELD_OUT_COUNTRIES)} countries never trained on, "
-              f"{len(held_out)} questions x {eval_samples} episodes; step {start} -> "
-              f"{start + steps}, {groups_per_step} x {rollouts_per_group} episodes a step")
-        rng = random.Random(f"{seed}-{start}")  # a resumed run draws other questions
-        config = TrainConfig(learning_rate=learning_rate)
-        for _ in range(steps):
-            batch = rng.sample(questions(TRAIN_COUNTRIES), groups_per_step)
-            groups = await gather_groups(
-                ([episode(graph, q) for _ in range(rollouts_per_group)] for q in batch),
-                description=f"step {await model.get_step() + 1} rollouts")
-            result = await model.train(groups, config)
-            m = result.metrics
-            won = [t.metrics["success"] for g in groups for t in g]
-            print(f"step {result.step:>3}  train reward {m['reward_mean']:.2f}  success "
-                  f"{sum(won)}/{len(won)}  loss {m['loss']:+.4f}  {m['seconds']:.1f} s train")
-        last = await model.get_step()
-        if last not in evals:
-            evals[last] = {"step": last, **await evaluate(graph, held_out, eval_samples,
-                                                           f"eval step {last} (held-out)")}
-            append_jsonl(evals_path, evals[last])
+              f"{len(held_out)} questions x {eval_samples} episodes; {steps} steps of "
+              f"{groups_per_step} x {rollouts_per_group} episodes")
+
+        def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
+            m, won = result.metrics, [t.metrics["success"] for g in groups for t in g]
+            return (f"step {result.step:>3}  train reward {m['reward_mean']:.2f}  success "
+                    f"{sum(won)}/{len(won)}  loss {m['loss']:+.4f}  {m['seconds']:.1f} s train")
+
+        loop = await train_loop(
+            model, lambda q: episode(graph, q), questions(TRAIN_COUNTRIES), held_out, model_dir,
+            steps=steps, groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
+            eval_rollouts=eval_samples, train_config=TrainConfig(learning_rate=learning_rate),
+            seed=seed, on_step=step_line)
+        first, last = min(loop.evals), loop.after.step
         print()
-        print(table([("step 0", evals[0]), (f"step {last}", evals[last])]))
+        print(table([(f"step {first}", loop.evals[first]), (f"step {last}", loop.after)]))
         print()
-        before, after = (evals[s].get("examples") or [evals[s]["example"]] for s in (0, last))
-        after_by_question = {_question(e): e for e in after}
-        # a question the base model got wrong, if there is one, and the same question after
-        shown = next((e for e in before if e["reward"] < 1 and _question(e) in after_by_question),
-                     before[0])
-        print(show_episode("step 0, held-out episode", shown))
-        print(show_episode(f"step {last}, the same question",
-                           after_by_question.get(_question(shown), after[0])))
-        _plot(model_dir, evals)
+        before, after = examples(model_dir, first), examples(model_dir, last)
+        if before and after:
+            after_by_question = {_question(e): e for e in after}
+            # a question the base model got wrong, if there is one, and the same question after
+            shown = next((e for e in before
+                          if e["reward"] < 1 and _question(e) in after_by_question), before[0])
+            print(show_episode(f"step {first}, held-out episode", shown))
+            print(show_episode(f"step {last}, the same question",
+                               after_by_question.get(_question(shown), after[0])))
+        _plot(model_dir, loop.evals)
         print(f"checkpoints in {model_dir / 'checkpoints'}")
-    return {"before": evals[0], "after": evals[last]}
+        print(f"browse the run: art view {path}")
+    return {"before": loop.evals[first], "after": loop.after}
 
 
-def _plot(model_dir: Path, evals: dict[int, dict[str, Any]]) -> None:
-    from art_core.plot import PlotError, plot_curves
+def _plot(model_dir: Path, evals: dict[int, EvalStats]) -> None:
+    from art_core.observe.plot import PlotError, plot_curves
 
     history = [r for r in read_jsonl(model_dir / "history.jsonl") if "reward_mean" in r]
     curves = {
         "held-out success rate": {"agent": sorted(
-            (s, r["successes"] / r["episodes"]) for s, r in evals.items())},
+            (s, r.rate("success").value) for s, r in evals.items())},
         "train reward": {"agent": [(int(r["step"]), float(r["reward_mean"])) for r in history]},
     }
     try:

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from art_core.protocol import LEDGER_PATH
+
 log = logging.getLogger(__name__)
 
 BATCH = 256  # ids per request: keeps a request small whatever the rollout length
@@ -47,7 +49,7 @@ def _async_client() -> httpx.AsyncClient:
 
 def _request(base_url: str, api_key: str | None) -> tuple[str, dict[str, str]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return f"{base_url.rstrip('/')}/art/completions/batch", headers
+    return f"{base_url.rstrip('/')}{LEDGER_PATH}/batch", headers
 
 
 def _parse(r: httpx.Response, url: str) -> dict[str, dict[str, Any]]:

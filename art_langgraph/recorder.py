@@ -35,6 +35,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 
 from art_core.model import Model, endpoint_api_key
+from art_core.protocol import read_record
 from art_core.recording import ToolEvent, count_tool_event
 from art_core.trajectory import History, SampledTurn, Trajectory
 from art_langgraph.ledger import fetch_records, fetch_records_async
@@ -227,17 +228,12 @@ class TrajectoryRecorder(BaseCallbackHandler):
             turns = []
             for index, call in conv.turns:
                 rec = records.get(call.response_id or "")
-                if rec is None or not rec.get("choices") or not rec["choices"][0]["token_ids"]:
+                sampled = read_record(rec) if rec is not None else None
+                if sampled is None:
                     missing.append(f"model {call.model!r} at {self.base_url or call.base_url} "
                                    f"(response id {call.response_id!r})")
                     continue
-                choice = rec["choices"][0]
-                turns.append(SampledTurn(
-                    message_index=index, prompt_token_ids=rec["prompt_token_ids"],
-                    completion_token_ids=choice["token_ids"], logprobs=choice["logprobs"],
-                    step=rec.get("step"), response_id=call.response_id,
-                    finish_reason=choice.get("finish_reason"),
-                    started_at=rec.get("started_at"), latency_s=rec.get("latency_s")))
+                turns.append(SampledTurn(message_index=index, **sampled))
             histories.append(History(messages=conv.messages, tools=conv.tools, turns=turns))
         if missing:
             msg = (f"no sampled tokens for {len(missing)} assistant turn(s): "

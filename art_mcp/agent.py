@@ -14,7 +14,7 @@ Three ways to ask for an action (`AgentConfig.action_format`):
 
 - `"strict_tools"` (default): native tool calls with `strict: true` functions and
   `tool_choice="required"`. Our gateway enforces these with a grammar of the hermes call form
-  (art_core/tool_calls.py), so even SmolLM2-135M makes schema-valid calls (FIELD-NOTES: with
+  (art_core/inference/tool_calls.py), so even SmolLM2-135M makes schema-valid calls (FIELD-NOTES: with
   `tool_choice="auto"` it made 0 calls in 64 tries), the sampled text is exactly what the chat
   template renders for the call, and the next turn's prompt extends it. OpenAI and other
   strict-capable endpoints accept the same request.

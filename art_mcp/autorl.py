@@ -14,7 +14,7 @@ The pipeline, one function per stage (the loop itself is `art_mcp.loop`, shared 
    train and held-out sets that never share a task, and saved. A resumed run reuses them.
 3. Rollouts: with `tools` (Python functions; schemas from their signatures and docstrings, see
    `art_mcp.functions`) the agent loop `run_agent` runs; without, one chat answer per scenario.
-4. `art_mcp.loop.train_loop`: held-out evaluation, then per step groups of rollouts scored by
+4. `art_core.loop.train_loop`: held-out evaluation, then per step groups of rollouts scored by
    RULER with the derived rubric, one GRPO step; held-out evaluation again.
 5. The before/after table: the RULER score of each step's held-out rollouts, the two steps
    judged side by side (RULER is relative: judged in one group per scenario, the scores of the
@@ -41,18 +41,11 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from art_core import Model, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.trajectory import read_groups_jsonl, write_groups_jsonl
+from art_core.loop import EvalStats, load_eval_groups, train_loop
+from art_core.trajectory import write_groups_jsonl
 from art_mcp.agent import COMPLETE_TASK, AgentConfig, _append, run_agent
 from art_mcp.functions import FunctionSession
-from art_mcp.loop import (
-    EvalStats,
-    format_table,
-    open_run,
-    ruler_hook,
-    scenario_split,
-    train_loop,
-    untrained_copy,
-)
+from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split, untrained_copy
 from art_mcp.scenarios import Scenario, ScenarioError, ask_json, generate_scenarios
 
 TOOLS_HINT = ("Call one tool at a time and read its result. When you are done, call "
@@ -292,8 +285,8 @@ async def autorl(
             rollouts_per_group=rollouts_per_group, eval_rollouts=eval_rollouts, after_each=hook,
             train_config=train_config, seed=seed, max_concurrency=max_concurrency,
             print_fn=print_fn)
-        before_groups, after_groups = (_eval_groups(run_dir, loop.before.step),
-                                       _eval_groups(run_dir, loop.after.step))
+        before_groups, after_groups = (load_eval_groups(run_dir, loop.before.step),
+                                       load_eval_groups(run_dir, loop.after.step))
         side = None
         if loop.before.step != loop.after.step:
             side, before_groups, after_groups = await side_by_side(
@@ -340,11 +333,6 @@ async def _prompts(run_dir: Path, description: str, system_prompt: str | None,
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
-
-
-def _eval_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:
-    path = run_dir / f"eval-{step:04d}.jsonl"
-    return read_groups_jsonl(path) if path.exists() else []
 
 
 def _scenario_id(group: TrajectoryGroup) -> str | None:

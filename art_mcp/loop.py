@@ -1,115 +1,27 @@
-"""The train / evaluate loop shared by MCP·RL (`art_mcp.train`) and AutoRL (`art_mcp.autorl`).
-
-Both pipelines are the same loop around a different rollout:
+"""What MCP·RL (`art_mcp.train`) and AutoRL (`art_mcp.autorl`) share around the one
+evaluate-train-evaluate loop (`art_core.loop.train_loop`):
 
 1. `open_run` registers the model (the embedded one by default) and names the run directory.
 2. `scenario_split` reuses the train / held-out split saved there (resume), or builds the pool
    (load or generate), splits it so no task is in both, and saves both files.
-3. `train_loop`: `evaluate` the held-out scenarios at the current step (cached in `eval.jsonl`,
-   so a resumed run does not pay for it twice), then each step `groups_per_step` scenarios x
-   `rollouts_per_group` rollouts, scored as each group completes (`after_each`: RULER, from
-   `ruler_hook`), one GRPO step; then `evaluate` again.
+3. `ruler_hook` scores each group with RULER (a litellm judge, or the embedded base model).
 4. `format_table` prints the before/after comparison.
-
-A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_core import (
-    TrainableModel,
-    TrainConfig,
-    Trajectory,
-    TrajectoryGroup,
-    gather_trajectory_groups,
-    write_groups_jsonl,
-)
-from art_core.storage import ModelDir, append_jsonl, read_jsonl
+from art_core import TrainableModel
+from art_core.loop import EvalStats, LoopResult, RolloutFn, evaluate, train_loop
+from art_core.storage import ModelDir
 from art_mcp.scenarios import Scenario, load_scenarios, save_scenarios, split_scenarios
 
-RolloutFn = Callable[[Scenario], Awaitable[Trajectory]]
-"""One rollout of one scenario, with the model and tools already bound."""
-
-
-def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a rate (rollouts treated as independent draws)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-@dataclass
-class EvalStats:
-    """Held-out results at one step."""
-
-    step: int
-    scenarios: int
-    rollouts: int
-    failed: int
-    completed: float
-    completed_ci: tuple[float, float]
-    solved: float
-    solved_ci: tuple[float, float]
-    reward: float
-    tool_errors: float
-    turns: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_groups(cls, step: int, groups: list[TrajectoryGroup]) -> EvalStats:
-        trajs = [t for g in groups for t in g]
-        n = len(trajs)
-
-        def mean(xs: list[float]) -> float:
-            return sum(xs) / len(xs) if xs else 0.0
-
-        done = sum(bool(t.metrics.get("completed")) for t in trajs)
-        solved = sum(t.reward >= 1.0 - 1e-9 for t in trajs)
-        return cls(step=step, scenarios=len(groups), rollouts=n,
-                   failed=sum(len(g.exceptions) for g in groups),
-                   completed=done / n if n else 0.0, completed_ci=wilson(done, n),
-                   solved=solved / n if n else 0.0, solved_ci=wilson(solved, n),
-                   reward=mean([t.reward for t in trajs]),
-                   tool_errors=mean([float(t.metrics.get("tool_errors", 0)) for t in trajs]),
-                   turns=mean([float(t.metrics.get("turns", 0)) for t in trajs]))
-
-    def row(self) -> dict[str, Any]:
-        """As a JSON row of `eval.jsonl`."""
-        return json.loads(json.dumps(asdict(self)))
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> EvalStats:
-        row = dict(row)
-        for k in ("completed_ci", "solved_ci"):
-            row[k] = tuple(row[k])
-        return cls(**row)
-
-
-async def evaluate_rollouts(rollout: RolloutFn, scenarios: Sequence[Scenario], step: int, *,
-                            rollouts: int = 2, after_each: Any = None,
-                            max_concurrency: int | None = None,
-                            save_to: Path | None = None) -> EvalStats:
-    """Held-out rollouts at the current step (not trained on); failures are counted, not fatal.
-    `save_to`: a JSONL file for the groups, to read what the agent did."""
-    groups = await gather_trajectory_groups(
-        ([rollout(s) for _ in range(rollouts)] for s in scenarios),
-        max_exceptions=float("inf"), after_each=after_each, max_concurrency=max_concurrency,
-        description=f"eval step {step}")
-    if save_to is not None:
-        write_groups_jsonl(groups, save_to)
-    return EvalStats.from_groups(step, groups)
+__all__ = ["EvalStats", "LoopResult", "RolloutFn", "evaluate", "format_table", "open_run",
+           "ruler_hook", "scenario_split", "train_loop", "untrained_copy"]
 
 
 def format_table(before: EvalStats, after: EvalStats, verifiable: bool, *,
@@ -117,18 +29,18 @@ def format_table(before: EvalStats, after: EvalStats, verifiable: bool, *,
                  extra_rows: Sequence[tuple[str, str, str]] = ()) -> str:
     """The before/after table printed at the end of a run. `tools=False` leaves out the tool
     rows (an agent without tools); `extra_rows` are (name, before, after) added at the end."""
-    def rate(v: float, ci: tuple[float, float]) -> str:
-        return f"{v:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+    def mean(stats: EvalStats, name: str) -> str:
+        return f"{stats.means.get(name, 0.0):.2f}"
 
-    rows = [("completion rate (95% CI)", rate(before.completed, before.completed_ci),
-             rate(after.completed, after.completed_ci))]
+    rows = [("completion rate (95% CI)", before.rate("completed").text(),
+             after.rate("completed").text())]
     if verifiable:
-        rows.append(("solved, reward = 1 (95% CI)", rate(before.solved, before.solved_ci),
-                     rate(after.solved, after.solved_ci)))
+        rows.append(("solved, reward = 1 (95% CI)", before.rate("solved").text(),
+                     after.rate("solved").text()))
     rows.append((reward_label, f"{before.reward:.3f}", f"{after.reward:.3f}"))
     if tools:
-        rows += [("tool errors / rollout", f"{before.tool_errors:.2f}", f"{after.tool_errors:.2f}"),
-                 ("turns / rollout", f"{before.turns:.2f}", f"{after.turns:.2f}")]
+        rows += [("tool errors / rollout", mean(before, "tool_errors"), mean(after, "tool_errors")),
+                 ("turns / rollout", mean(before, "turns"), mean(after, "turns"))]
     rows += [("failed rollouts", str(before.failed), str(after.failed)), *extra_rows]
     head = (f"held-out: {after.scenarios} scenarios x {after.rollouts // max(after.scenarios, 1)} "
             f"rollouts")
@@ -196,61 +108,3 @@ async def ruler_hook(judge: str | None, kwargs: dict[str, Any], model: Trainable
         kwargs = {"api_base": judge_model.base_url, "api_key": "none", "temperature": 0.0,
                   "max_tokens": 600, "timeout": 300, **kwargs}
     return ruler.hook(judge, rubric or ruler.DEFAULT_RUBRIC, **kwargs)
-
-
-@dataclass
-class LoopResult:
-    """What `train_loop` did: held-out stats before and after, and one row per step."""
-
-    before: EvalStats
-    after: EvalStats
-    steps: list[dict[str, Any]]
-
-
-async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[Scenario],
-                     held: Sequence[Scenario], run_dir: Path, *, steps: int,
-                     groups_per_step: int, rollouts_per_group: int, eval_rollouts: int,
-                     after_each: Any, train_config: TrainConfig | None, seed: int,
-                     max_concurrency: int | None,
-                     print_fn: Callable[[str], None] = print) -> LoopResult:
-    """Evaluate, train `steps` GRPO steps, evaluate again (see the module docstring).
-
-    The held-out groups of step s are kept in `run_dir/eval-<s>.jsonl` and their stats in
-    `run_dir/eval.jsonl`; a step evaluated before is read back, not run again."""
-    evals = {int(r["step"]): r for r in read_jsonl(run_dir / "eval.jsonl")}
-
-    async def held_out_at(step: int) -> EvalStats:
-        if step in evals:
-            return EvalStats.from_row(evals[step])
-        stats = await evaluate_rollouts(rollout, held, step, rollouts=eval_rollouts,
-                                        after_each=after_each, max_concurrency=max_concurrency,
-                                        save_to=run_dir / f"eval-{step:04d}.jsonl")
-        append_jsonl(run_dir / "eval.jsonl", stats.row())
-        return stats
-
-    start = await model.get_step()
-    before = await held_out_at(start)
-    print_fn(f"step {start}: held-out completion {before.completed:.2f}, "
-             f"reward {before.reward:.3f}")
-    history = []
-    for step in range(start, start + steps):
-        picked = random.Random(f"{seed}-{step}").sample(list(train),
-                                                        min(groups_per_step, len(train)))
-        groups = await gather_trajectory_groups(
-            ([rollout(s) for _ in range(rollouts_per_group)] for s in picked),
-            max_exceptions=0.5, after_each=after_each, max_concurrency=max_concurrency,
-            description=f"step {step} rollouts")
-        result = await model.train(groups, train_config)
-        m = result.metrics
-        row = {"step": result.step, "train_reward": m.get("reward_mean"),
-               "loss": m.get("loss"), "groups": len(groups),
-               "seconds": round(float(m.get("seconds", 0.0)), 1)}
-        history.append(row)
-        print_fn(f"step {result.step}: train reward {_num(row['train_reward'], '.3f')}  "
-                 f"loss {_num(row['loss'], '+.4f')}  {row['seconds']} s train")
-    after = await held_out_at(await model.get_step())
-    return LoopResult(before=before, after=after, steps=history)
-
-
-def _num(value: Any, spec: str) -> str:
-    return "n/a" if value is None else format(float(value), spec)

@@ -13,7 +13,8 @@ The pipeline, one function per stage:
    GRPO step (`model.train`).
 4. `evaluate` again and print the before/after table with the run directory.
 
-Steps 2-4 are `art_mcp.loop.train_loop`, the loop AutoRL (`art_mcp.autorl`) runs too.
+Steps 2-4 are `art_core.loop.train_loop`, the loop AutoRL (`art_mcp.autorl`) and the demos
+run too.
 
 Everything is kept in `<path>/<project>/models/<name>/mcp/`: scenarios (train/held-out JSONL),
 `eval.jsonl` (one row per evaluated step) and `eval-<step>.jsonl` (those rollouts' groups). The model's checkpoints carry the step, so a
@@ -32,22 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from art_core import Model, TrainableModel, TrainConfig, Trajectory
+from art_core.loop import EvalStats, train_loop
+from art_core.loop import evaluate as evaluate_rollouts
 from art_mcp.agent import AgentConfig, run_agent
-from art_mcp.loop import (
-    EvalStats,
-    evaluate_rollouts,
-    format_table,
-    open_run,
-    ruler_hook,
-    scenario_split,
-    train_loop,
-    wilson,
-)
+from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split
 from art_mcp.scenarios import Scenario, generate_scenarios, load_scenarios
 from art_mcp.session import RecordingSession, ServerSpec, connect
 
 __all__ = ["EvalStats", "McpTrainResult", "RolloutContext", "as_server", "evaluate",
-           "format_table", "rollout", "train_mcp", "wilson"]
+           "format_table", "rollout", "train_mcp"]
 
 
 @dataclass

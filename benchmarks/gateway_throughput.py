@@ -42,7 +42,7 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as root:
         base = None
         if args.tiny:
-            from art_core.tiny import build_tiny_model
+            from art_core.testing.tiny import build_tiny_model
 
             base = str(build_tiny_model(f"{root}/tiny", "llama"))
         model = TrainableModel(name="bench", project="bench",

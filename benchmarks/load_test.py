@@ -41,7 +41,7 @@ from art_core import (
     Trajectory,
     TrajectoryGroup,
 )
-from art_core.backend.remote import is_loopback_host
+from art_core.protocol import is_loopback_host
 
 
 def free_port() -> int:
@@ -120,7 +120,7 @@ async def run(args: argparse.Namespace) -> int:
         proc, url = start_server(tmp, api_key)
     base_model = args.base_model
     if base_model is None:
-        from art_core.tiny import build_tiny_model
+        from art_core.testing.tiny import build_tiny_model
 
         base_model = str(build_tiny_model(tmp / "tiny-llama", "llama"))
     backend = RemoteBackend(url, api_key=api_key, progress_bar=False)

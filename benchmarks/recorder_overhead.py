@@ -59,7 +59,7 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as root:
         base: dict[str, Any] = {}
         if args.tiny:
-            from art_core.tiny import build_tiny_model
+            from art_core.testing.tiny import build_tiny_model
 
             base = {"base_model": str(build_tiny_model(f"{root}/tiny", "llama"))}
         backend = LocalBackend(f"{root}/run")

@@ -330,7 +330,7 @@ def report(args: argparse.Namespace, steps: list[dict[str, float]], tokens: dict
           f"{max(wall - accounted, 0) / wall:>6.1%}")
 
     linear, total = model_counts(model_path(args.model))
-    from art_core.engine import cpu_supports_bf16
+    from art_core.host import cpu_supports_bf16
 
     # the precision the trainer and the engine pick here by default (bf16 only where native)
     dtype, width = ("bfloat16", 2) if cpu_supports_bf16() else ("float32", 4)

@@ -100,13 +100,13 @@ def messages(prompt: str) -> list[dict[str, str]]:
 
 def model_path(name: str) -> str:
     """A local directory both systems load: the embedded SmolLM2-135M-Instruct, or a tiny
-    random Qwen3 (art_core.tiny) cached under $ART_HOME."""
+    random Qwen3 (art_core.testing.tiny) cached under $ART_HOME."""
     from art_core.base_models import art_home, ensure_default_model
 
     if name == "smollm2":
         return str(ensure_default_model())
     if name.startswith("tiny-"):
-        from art_core.tiny import build_tiny_model
+        from art_core.testing.tiny import build_tiny_model
 
         arch = name.removeprefix("tiny-")
         return str(build_tiny_model(art_home() / "bench" / name, arch))  # type: ignore[arg-type]
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.precision == "auto":
-        from art_core.engine import cpu_supports_bf16
+        from art_core.host import cpu_supports_bf16
 
         args.precision = "bf16" if cpu_supports_bf16() else "fp32"
     if args.worker:

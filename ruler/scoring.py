@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import ruler.cache as disk_cache
+import ruler.robust as robust
 from art_core.trajectory import TrajectoryGroup
-from ruler import cache as disk_cache
-from ruler import robust
 from ruler.answer import InvalidAnswer, TrajectoryScore, json_schema_format, parse_answer
 from ruler.calls import CallStats, import_litellm
 from ruler.prompt import DEFAULT_RUBRIC, Message, build_judge_messages, dedupe

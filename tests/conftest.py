@@ -19,8 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny random models of each family in art_core.tiny.ARCHS (~1 s each)."""
-    from art_core.tiny import ARCHS, build_tiny_model
+    """Tiny random models of each family in art_core.testing.tiny.ARCHS (~1 s each)."""
+    from art_core.testing.tiny import ARCHS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {arch: build_tiny_model(root / arch, arch) for arch in ARCHS}

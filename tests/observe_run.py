@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.loggers import Logger, Loggers
+from art_core.observe.base import Logger
+from art_core.observe.loggers import Loggers
 from art_core.trajectory import RolloutError
 
 CONFIG = TrainConfig(learning_rate=1e-2, bf16=False)

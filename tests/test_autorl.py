@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from art_core import Model, TrainableModel, TrajectoryGroup
-from art_core.backend.base import Endpoint, TrainResult
+from art_core.model import Endpoint, TrainResult
 from art_core.storage import ModelDir
 from art_mcp.autorl import TOOLS_HINT, Prompts, autorl, derive_prompts, template_prompts
 from art_mcp.cli import autorl_main

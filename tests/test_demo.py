@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from art_core.demo import EvalLog, brevity_reward
+from art_core.demos.brevity import EvalLog, brevity_reward
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from art_core.config import EngineConfig
-from art_core.engine import EngineError, VLLMEngine, check_parallel_sizes
+from art_core.inference.engine import EngineError, VLLMEngine, check_parallel_sizes
 
 
 def vllm_engine_args(argv: list[str]):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from art_core.engine import VLLMEngine
-from art_core.gateway import Gateway, GatewayError, ServedModel
+from art_core.inference.engine import VLLMEngine
+from art_core.inference.gateway import Gateway, GatewayError, ServedModel
 
 
 def gateway_with_model(tmp_path: Path) -> Gateway:
@@ -74,7 +74,7 @@ async def test_gate_timeout_is_a_clear_503(tmp_path):
 
 def test_ledger_is_bounded(tmp_path):
     gw = gateway_with_model(tmp_path)
-    gw.ledger_size = 3
+    gw.ledger.size = 3
     for i in range(5):
-        gw._record({"id": f"r{i}"})
+        gw.ledger.add({"id": f"r{i}"})
     assert list(gw.ledger) == ["r2", "r3", "r4"]

@@ -92,13 +92,13 @@ def test_version_prints_only_the_version():
 
 @pytest.mark.parametrize(("blocked", "args", "expected"), [
     ("art_langgraph.demo", ["demo"], "art_langgraph.demo is not part of this install"),
-    ("art_core.demo", ["demo", "--task", "brevity"], "art_core.demo is not part of this install"),
-    ("art_core.server", ["serve"], "art_core.server is not part of this install"),
+    ("art_core.demos.brevity", ["demo", "--task", "brevity"], "art_core.demos.brevity is not part of this install"),
+    ("art_core.serve.app", ["serve"], "art_core.serve.app is not part of this install"),
     ("fastapi", ["serve"], "pip install 'art-agents[backend]'"),
 ])
 def test_command_without_its_modules_fails_clearly(monkeypatch, blocked, args, expected):
     # None in sys.modules makes the import fail as if the module were not installed
-    for name in [blocked, "art_core.server", "art_core.demo", "art_langgraph.demo"]:
+    for name in [blocked, "art_core.serve.app", "art_core.demos.brevity", "art_langgraph.demo"]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, blocked, None)
     result = runner.invoke(app, args)
@@ -112,7 +112,7 @@ def test_command_without_its_modules_fails_clearly(monkeypatch, blocked, args, e
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(("task", "module"), [
     ([], "art_langgraph.demo"), (["--task", "agent"], "art_langgraph.demo"),
-    (["--task", "brevity"], "art_core.demo")], ids=["default", "agent", "brevity"])
+    (["--task", "brevity"], "art_core.demos.brevity")], ids=["default", "agent", "brevity"])
 def test_demo_calls_main(monkeypatch, returned, code, is_async, task, module):
     import types
 
@@ -192,8 +192,8 @@ def test_console_script(args, expected):
     (["--steps", "x"], 2, ["invalid int value"]),
 ])
 def test_demo_options_reach_its_parser(capsys, args, code, expected):
-    # the real art_core.demo: --help and bad values are answered before anything starts
-    from art_core.demo import main
+    # the real art_core.demos.brevity: --help and bad values are answered before anything starts
+    from art_core.demos.brevity import main
 
     with pytest.raises(SystemExit) as e:
         main(args)

@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from art_core.cli import app
-from art_core.idle import ActivityTracker, exit_when_idle
 from art_core.launch import INSTALL_HINT, LaunchConfig
+from art_core.serve.idle import ActivityTracker, exit_when_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from art_core.loggers import Logger, Loggers, StepRecord, group_metrics
+from art_core.observe.base import Logger, StepRecord, group_metrics
+from art_core.observe.loggers import Loggers
 from tests.observe_run import make_backend, train_steps
 
-LOGGER = "art_core.loggers"
+LOGGER = "art_core.observe.loggers"
 
 
 # ---- W&B: read the offline run file (LevelDB-log framing of protobuf Records) -----------------
@@ -74,7 +75,7 @@ def sub(row: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 async def test_wandb_offline_run_holds_metrics_at_steps_and_trajectory_tables(
         tiny_models, tmp_path, monkeypatch) -> None:
-    from art_core.wandb_logger import WandbLogger
+    from art_core.observe.wandb_logger import WandbLogger
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("ART_LOGGERS", "none")  # only the logger given here
@@ -219,7 +220,7 @@ async def test_langfuse_traces_generations_tool_spans_and_scores(
         tiny_models, tmp_path, monkeypatch, receiver) -> None:
     from langfuse import Langfuse
 
-    from art_core.langfuse_logger import LangfuseLogger
+    from art_core.observe.langfuse_logger import LangfuseLogger
 
     monkeypatch.setenv("ART_LOGGERS", "none")
     lf = LangfuseLogger(_key("ok"), "sk-test", receiver.url)
@@ -294,8 +295,8 @@ def _closed_port() -> int:
 
 
 def _failing_loggers(kind: str, tmp_path: Path) -> tuple[Logger, Any]:
-    from art_core.langfuse_logger import LangfuseLogger
-    from art_core.wandb_logger import WandbLogger
+    from art_core.observe.langfuse_logger import LangfuseLogger
+    from art_core.observe.wandb_logger import WandbLogger
 
     if kind == "raises":
         return Exploding(), None
@@ -352,9 +353,9 @@ def test_group_metrics_counts_and_means() -> None:
 
 
 def test_env_turns_loggers_on_and_off(tmp_path) -> None:
-    from art_core.langfuse_logger import LangfuseLogger
-    from art_core.loggers import optional_loggers_from_env
-    from art_core.wandb_logger import WandbLogger
+    from art_core.observe.langfuse_logger import LangfuseLogger
+    from art_core.observe.loggers import optional_loggers_from_env
+    from art_core.observe.wandb_logger import WandbLogger
 
     assert optional_loggers_from_env({}) == []
     on = optional_loggers_from_env({"WANDB_API_KEY": "k", "WANDB_PROJECT": "p",
@@ -372,7 +373,7 @@ def test_import_art_core_loads_no_sdk() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, art_core, art_core.loggers, art_core.backend.local; "
+    code = ("import sys, art_core, art_core.observe.loggers, art_core.backend.local; "
             "print(sorted(m for m in ('wandb', 'langfuse', 'opentelemetry') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"WANDB_MODE": "offline", "PATH": ""})
@@ -387,8 +388,8 @@ async def test_gateway_records_start_and_latency_of_each_call(tmp_path) -> None:
     import httpx
 
     from art_core import Trajectory
-    from art_core.engine import VLLMEngine
-    from art_core.gateway import Gateway, ServedModel
+    from art_core.inference.engine import VLLMEngine
+    from art_core.inference.gateway import Gateway, ServedModel
 
     class Upstream(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None: ...

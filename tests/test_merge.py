@@ -1,4 +1,4 @@
-"""art_core.merge: a LoRA checkpoint merged into its base computes what base + LoRA computes, for
+"""art_core.inference.merge: a LoRA checkpoint merged into its base computes what base + LoRA computes, for
 each model family, and adapters that do not fit are refused by name (transformers + peft, no
 vLLM; tests/test_merged_serving.py serves merged weights from the engine)."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from art_core import LoraConfig
-from art_core.merge import MergeError, merge_lora, merged_weights
-from art_core.tiny import ARCHS, build_tiny_model
+from art_core.inference.merge import MergeError, merge_lora, merged_weights
+from art_core.testing.tiny import ARCHS, build_tiny_model
 from art_core.train.trainer import Trainer
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from art_core import EngineConfig, ModelConfig, TrainableModel, TrainConfig
 from art_core.gather import gather_trajectory_groups
-from art_core.tiny import build_tiny_model
+from art_core.testing.tiny import build_tiny_model
 from art_core.train.trainer import Trainer
 from tests.conftest import release_engine
 from tests.test_training_e2e import rollout

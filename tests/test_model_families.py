@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from art_core import LoraConfig, TrainConfig
-from art_core.tiny import ARCHS, build_tiny_model
+from art_core.testing.tiny import ARCHS, build_tiny_model
 from art_core.train.trainer import Trainer
 from tests.test_trainer import make_group
 

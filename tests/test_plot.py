@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from art_core.cli import app
-from art_core.plot import PlotError, plot_curves, read_curves, summary
+from art_core.observe.plot import PlotError, plot_curves, read_curves, summary
 
 runner = CliRunner()
 

@@ -325,7 +325,7 @@ TEMPLATE = {"engine": {"chat_template": "/etc/hostname"}}
     (("Qwen/*",), True, "Qwen/Qwen3-0.6B", ENGINE_ARGS, None),
 ])
 def test_register_policy(tmp_path, base_models, allow_engine_args, base_model, config, refused):
-    from art_core.server import ApiError, ArtServer
+    from art_core.serve.app import ApiError, ArtServer
 
     art = ArtServer(tmp_path / "run", base_models=base_models,
                     allow_engine_args=allow_engine_args)

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.backend.remote import TRAIN_PHASES, RemoteBackend
+from art_core.backend.remote import RemoteBackend
+from art_core.protocol import TRAIN_PHASES
 from tests.server_helpers import (
     KEY,
     MSG,

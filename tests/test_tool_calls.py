@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from art_core.engine import VLLMEngine
-from art_core.gateway import Gateway
-from art_core.tool_calls import ToolCallError, parse_calls, plan_tools, stream_chunks
+from art_core.inference.engine import VLLMEngine
+from art_core.inference.gateway import Gateway
+from art_core.inference.tool_calls import ToolCallError, parse_calls, plan_tools, stream_chunks
 
 PARAMS = {"type": "object", "properties": {"country": {"type": "string"}},
           "required": ["country"]}

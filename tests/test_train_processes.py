@@ -128,7 +128,7 @@ def test_more_processes_than_gpus_are_refused_on_cuda(tmp_path):
 
 
 def test_art_serve_passes_train_processes_on(tmp_path):
-    from art_core.server import build_server
+    from art_core.serve.app import build_server
 
     server = build_server(tmp_path, port=1, train_processes=2)
     assert server.art.backend.train_processes == 2

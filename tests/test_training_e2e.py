@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.gather import gather_trajectory_groups
-from art_core.tiny import ARCHS
+from art_core.testing.tiny import ARCHS
 from art_core.train.batch import build_sequences
 from tests.conftest import tiny_config
 

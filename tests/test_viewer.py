@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from art_core.observe.viewer import make_server
 from art_core.storage import ModelDir
-from art_core.viewer import make_server
 from tests.cdp import Browser, find_chromium
 from tests.observe_run import agent_groups, make_backend, tokenizer, train_steps
 

@@ -9,7 +9,7 @@
       5. save the adapter to checkpoints/.tmp-<step>, rename to checkpoints/<step>  (atomic)
       6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
       7. append metrics to history.jsonl; open the gate              (inference resumes)
-      8. hand the step to the loggers (art_core.loggers: W&B, Langfuse if configured)
+      8. hand the step to the loggers (art_core.observe.loggers: W&B, Langfuse if configured)
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.base_models import resolve_base_model
 from art_core.config import TrainConfig
-from art_core.engine import EngineError, VLLMEngine
-from art_core.gateway import Gateway
-from art_core.gateway_server import GatewayServer
-from art_core.loggers import SPLIT_TRAIN, Logger, Loggers, StepRecord, group_metrics
-from art_core.model import TrainableModel
+from art_core.inference.engine import EngineError, VLLMEngine
+from art_core.inference.gateway import Gateway
+from art_core.inference.gateway_server import GatewayServer
+from art_core.model import Endpoint, TrainableModel, TrainResult
+from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
+from art_core.observe.loggers import Loggers
 from art_core.storage import ModelDir
-from art_core.trajectory import TrajectoryGroup
+from art_core.trajectory import TrajectoryGroup, check_groups
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class LocalBackend:
                  gateway: Gateway | None = None, loggers: list[Logger] | None = None,
                  train_processes: int = 1, trainers_in_memory: int = 2) -> None:
         """`loggers`: extra loggers besides the run directory and those the environment turns
-        on (W&B, Langfuse: see art_core.loggers).
+        on (W&B, Langfuse: see art_core.observe.loggers).
 
         `trainers_in_memory`: how many models keep their trainer (a copy of the base weights,
         the LoRA and its optimizer) loaded between steps; the least recently used one beyond

@@ -6,7 +6,7 @@
 It needs only the base install (pydantic, openai, httpx, tqdm): no torch, vLLM or FastAPI.
 Rollouts go straight to the server's OpenAI API (`model.openai_client()` points at
 `<server>/v1` with the API key); the control calls go to `<server>/art/v1/...` (see
-art_core/server.py for the routes).
+art_core/serve/app.py for the routes).
 
 Training streams NDJSON events (one per phase, keep-alive lines while the step runs), shown as
 a tqdm bar. Each train call carries a `request_id`: if the connection drops, the call is sent
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import uuid
@@ -31,36 +30,12 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, Field
 
-from art_core.backend.base import Endpoint, TrainResult, check_groups
 from art_core.config import TrainConfig
-from art_core.model import TrainableModel, validate_name
-from art_core.trajectory import TrajectoryGroup
+from art_core.model import Endpoint, TrainableModel, TrainResult, validate_name
+from art_core.protocol import API_PREFIX, TRAIN_PHASES, is_loopback_host
+from art_core.trajectory import TrajectoryGroup, check_groups
 
-API_PREFIX = "/art/v1"
 DEFAULT_URL = "http://127.0.0.1:7999"
-TRAIN_PHASES = ("journaled", "paused", "trained", "published", "done")
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and 'localhost'; False for any other name or address."""
-    host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_refusal(host: str, api_key: str | None) -> str | None:
-    """Why a server must not listen on `host` with this key, or None when it may
-    (ARCHITECTURE invariant 8: no non-loopback bind without an API key)."""
-    if api_key or is_loopback_host(host):
-        return None
-    return (f"refusing to listen on {host!r} without an API key: anyone who can reach that "
-            "address could run inference, train models and download checkpoints. Set "
-            "--api-key (or the ART_API_KEY environment variable), or bind a loopback address "
-            "such as 127.0.0.1.")
 
 
 class RemoteBackendError(RuntimeError):

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from art_core.config import LoraConfig, TrainConfig
-from art_core.engine import cpu_supports_bf16
+from art_core.host import cpu_supports_bf16
 from art_core.train import batch as B
 from art_core.train.loss import chunked_token_logprobs, grpo_loss
 from art_core.trajectory import History, TrajectoryGroup

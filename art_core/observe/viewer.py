@@ -126,7 +126,7 @@ class RunView:
                 step = int(p.stem)
                 metrics = by_step.get(step)
                 if metrics is None:  # journaled, not trained yet (or interrupted): from groups
-                    from art_core.loggers import group_metrics
+                    from art_core.observe.base import group_metrics
 
                     metrics = group_metrics(self._groups(md, split, step))
                     metrics["pending"] = True
@@ -237,7 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         try:
             if path in ("/", "/index.html"):
-                page = resources.files("art_core").joinpath("static/viewer.html").read_bytes()
+                page = resources.files("art_core.observe").joinpath("static/viewer.html").read_bytes()
                 return self._send(200, page, "text/html; charset=utf-8", head)
             parts = [unquote(p) for p in path.split("/")[1:]]
             if parts[:2] != ["api", "models"] or any(p in ("", ".", "..") for p in parts[2:]):

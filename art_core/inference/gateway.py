@@ -11,12 +11,12 @@ For every request it
    A streamed chat response also carries its id in each choice's `delta`, because clients that
    merge deltas into a message (langchain-openai) keep nothing else of the response id;
 5. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
-   grammar of the hermes call form and returns them as `tool_calls` (art_core/tool_calls.py).
+   grammar of the hermes call form and returns them as `tool_calls` (art_core/inference/tool_calls.py).
 
-It runs in its own thread and event loop (`GatewayServer`, art_core/gateway_server.py) so that
+It runs in its own thread and event loop (`GatewayServer`, art_core/inference/gateway_server.py) so that
 user code which blocks its own loop (a sync LangGraph `invoke`) cannot stall inference. What a
 ledger record holds, and how a streamed response is accumulated into one:
-art_core/gateway_ledger.py.
+art_core/inference/ledger.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,23 +35,19 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from art_core.engine import EngineError, VLLMEngine
-from art_core.gateway_ledger import accumulate, record_of, record_of_stream
-from art_core.tool_calls import ToolCallError, plan_tools, stream_chunks
+from art_core.inference.engine import EngineError, VLLMEngine
+from art_core.inference.ledger import Ledger, accumulate, new_stream, record_of_stream
+from art_core.inference.tool_calls import ToolCallError, plan_tools, stream_chunks
+from art_core.protocol import LEDGER_PATH, error_body, extend_response, ledger_record
 
 log = logging.getLogger(__name__)
 
 
-def openai_error(status: int, message: str, type_: str | None = None,
-                 param: str | None = None) -> JSONResponse:
-    """An error in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
-    type_ = type_ or {400: "invalid_request_error", 401: "authentication_error",
-                      404: "not_found_error", 413: "invalid_request_error",
-                      503: "service_unavailable"}.get(status, "server_error")
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}},
-        status_code=status,
-    )
+def openai_error(status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in OpenAI's format (`protocol.error_body`) as a response."""
+    return JSONResponse(error_body(status, message, param=param), status_code=status,
+                        headers=headers)
 
 
 class GatewayError(Exception):
@@ -88,8 +83,7 @@ class Gateway:
                  drain_timeout_s: float = 600.0) -> None:
         self.engines: dict[str, VLLMEngine] = {}
         self.models: dict[str, ServedModel] = {}
-        self.ledger: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.ledger_size = ledger_size
+        self.ledger = Ledger(ledger_size)
         self.gate_timeout_s = gate_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.in_flight = 0
@@ -234,11 +228,6 @@ class Gateway:
         if self.in_flight == 0:
             self._events()[1].set()
 
-    def _record(self, rec: dict[str, Any]) -> None:
-        self.ledger[rec["id"]] = rec
-        while len(self.ledger) > self.ledger_size:
-            self.ledger.popitem(last=False)
-
     async def _send(self, route: Route, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST to vLLM; if the engine is down (restarting), wait for it once and retry."""
         for attempt in (0, 1):
@@ -309,13 +298,11 @@ class Gateway:
                     return Response(r.content, status_code=r.status_code,
                                     media_type="application/json")
                 data = r.json()
-                data["model"] = route.public
-                data["art_step"] = route.step
                 if plan is not None:
                     data = plan.convert(data)
-                data["art_started_at"] = started_at
-                data["art_latency_s"] = round(time.time() - started_at, 6)
-                self._record(record_of(data, requested, route, chat))
+                extend_response(data, served=route.public, step=route.step,
+                                started_at=started_at, latency_s=time.time() - started_at)
+                self.ledger.add(ledger_record(data, requested, chat))
                 if body.get("stream"):  # strict tools, streamed: the finished response, chunked
                     return _sse(stream_chunks(data, _include_usage(body)))
                 return JSONResponse(data)
@@ -339,7 +326,7 @@ class Gateway:
                             media_type="application/json"), False
 
         async def relay() -> AsyncIterator[bytes]:
-            acc: dict[str, Any] = {"id": None, "prompt_token_ids": None, "choices": {}}
+            acc = new_stream()
             try:
                 async for line in upstream.aiter_lines():
                     if not line:
@@ -356,9 +343,8 @@ class Gateway:
                             line = "data: " + json.dumps(chunk, separators=(",", ":"))
                     yield (line + "\n\n").encode()
                 if acc["id"] is not None:
-                    self._record(dict(record_of_stream(acc, requested, route),
-                                      started_at=started_at,
-                                      latency_s=round(time.time() - started_at, 6)))
+                    self.ledger.add(record_of_stream(acc, requested, route.public, route.step,
+                                                  started_at, time.time() - started_at))
             finally:
                 await upstream.aclose()
                 self._exit()
@@ -388,7 +374,7 @@ class Gateway:
                          for s in sorted(m.checkpoints)]
             return {"object": "list", "data": data}
 
-        @app.get("/v1/art/completions/{completion_id}")
+        @app.get("/v1" + LEDGER_PATH + "/{completion_id}")
         async def get_completion(completion_id: str) -> Response:
             rec = self.ledger.get(completion_id)
             if rec is None:
@@ -396,7 +382,7 @@ class Gateway:
                                     "(unknown, or evicted from the ledger)")
             return JSONResponse(rec)
 
-        @app.post("/v1/art/completions/batch")
+        @app.post("/v1" + LEDGER_PATH + "/batch")
         async def get_completions(request: Request) -> Response:
             """Many ledger records in one round trip: {"ids": [...]} -> {"data", "missing"}."""
             try:

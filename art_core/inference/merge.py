@@ -7,7 +7,7 @@ computes in a wider one (a bf16 checkpoint served in float32 keeps the whole of 
 which bf16 would round away). Every other tensor is passed on as it is. Two consumers:
 
 - `merged_weights` streams the merged checkpoint, tensor by tensor, into vLLM's in-place reload,
-  inside vLLM's worker (art_core/vllm_worker.py, `EngineConfig.serve_merged`): only the 7 MB
+  inside vLLM's worker (art_core/inference/vllm_worker.py, `EngineConfig.serve_merged`): only the 7 MB
   adapter crosses processes, nothing is written.
 - `merge_lora` writes it as a safetensors checkpoint (one output file per input file, so memory
   stays at one file's size, plus the JSON configs): a merged model to export.

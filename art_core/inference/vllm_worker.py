@@ -3,7 +3,7 @@ RL weight updates), for merged serving (`EngineConfig.serve_merged`).
 
 `art_load_merged(base_dir, adapter_dir, dtype)`, called through vLLM's `/collective_rpc`:
 the worker reads the adapter (a few MB), streams base + LoRA tensor by tensor
-(`art_core.merge.merged_weights`) into its own in-place reload, and returns
+(`art_core.inference.merge.merged_weights`) into its own in-place reload, and returns
 `{"loaded": number of tensors}`. Before this, the trainer's process wrote the whole merged
 checkpoint to disk and vLLM read it back: measured on SmolLM2-135M, 0.7-1.6 s for the merge
 and write alone, against ~0.1 s for the fused merge here (the whole load is now 0.37-0.46 s,
@@ -22,7 +22,7 @@ class MergedLoraWorker:
 
     def art_load_merged(self: Any, base_dir: str, adapter_dir: str, dtype: str | None
                         ) -> dict[str, int]:
-        from art_core.merge import merged_weights
+        from art_core.inference.merge import merged_weights
 
         # checked before vLLM starts its reload: a bad adapter leaves the served weights alone
         weights = merged_weights(base_dir, adapter_dir, dtype)

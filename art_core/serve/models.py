@@ -1,4 +1,4 @@
-"""The model operations of `art serve` (art_core/server.py): register, latest step, checkpoint
+"""The model operations of `art serve` (art_core/serve/app.py): register, latest step, checkpoint
 lists, deletion, downloads.
 
 - Register and delete change a model, so they take the model's lock (`ArtServer._lock`): never
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from art_core.backend.local import LocalBackend
 from art_core.model import TrainableModel
-from art_core.server_errors import ApiError, validation_message
+from art_core.serve.errors import ApiError, validation_message
 from art_core.storage import ModelDir
 
 

@@ -1,4 +1,4 @@
-"""Training steps of `art serve` (art_core/server.py) as server-side jobs.
+"""Training steps of `art serve` (art_core/serve/app.py) as server-side jobs.
 
     POST /art/v1/models/{project}/{name}/train   -> start_training -> a TrainJob, its events relayed
     GET  /art/v1/jobs/{job_id}                   -> TrainJob.summary
@@ -35,7 +35,8 @@ from pydantic import ValidationError
 from art_core.backend.local import LocalBackend
 from art_core.config import TrainConfig
 from art_core.model import TrainableModel
-from art_core.server_errors import STATUS_TYPES, ApiError, validation_message
+from art_core.protocol import error_body
+from art_core.serve.errors import ApiError, validation_message
 from art_core.storage import ModelDir, append_jsonl, read_jsonl
 from art_core.trajectory import TrajectoryGroup
 
@@ -238,9 +239,8 @@ class TrainingJobs:
             err = self._client_error(e, f"training {job.project}/{job.name}") \
                 if isinstance(e, Exception) else ApiError(503, "training was cancelled")
             job.status = "failed"
-            job.emit({"event": "error", "error": {
-                "message": err.message, "type": STATUS_TYPES.get(err.status, "server_error"),
-                "param": err.param, "code": err.code or err.status}})
+            job.emit({"event": "error", **error_body(err.status, err.message, err.code,
+                                                      err.param)})
             if not isinstance(e, Exception):
                 raise
 

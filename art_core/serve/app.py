@@ -37,11 +37,11 @@ Why it is shaped like this:
   started with `--allow-engine-args`.
 
 The parts, one concern each:
-    art_core/server.py          the app, its routes and shutdown; the uvicorn server (`serve`)
-    art_core/server_models.py   register, latest step, checkpoint lists, deletion, downloads
-    art_core/server_jobs.py     training steps as jobs: TrainJob, its event relay, retries
-    art_core/server_guard.py    API key, body size, last-resort errors (ASGI middleware)
-    art_core/server_errors.py   ApiError and the JSON error shape
+    art_core/serve/app.py          the app, its routes and shutdown; the uvicorn server (`serve`)
+    art_core/serve/models.py   register, latest step, checkpoint lists, deletion, downloads
+    art_core/serve/jobs.py     training steps as jobs: TrainJob, its event relay, retries
+    art_core/serve/guard.py    API key, body size, last-resort errors (ASGI middleware)
+    art_core/serve/errors.py   ApiError and the JSON error shape
 """
 
 from __future__ import annotations
@@ -69,23 +69,23 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from art_core.backend.local import LocalBackend
-from art_core.backend.remote import API_PREFIX, bind_refusal
-from art_core.engine import EngineError
-from art_core.gateway import Gateway
+from art_core.inference.engine import EngineError
+from art_core.inference.gateway import Gateway
 from art_core.model import TrainableModel, validate_name
-from art_core.server_errors import (
+from art_core.protocol import API_PREFIX, bind_refusal
+from art_core.serve.errors import (
     ApiError,
     BodyTooLarge,
     error_response,
     size_text,
     validation_message,
 )
-from art_core.server_guard import Guard
-from art_core.server_jobs import JOB_ID, TrainingJobs, TrainJob
-from art_core.server_models import ModelOperations
+from art_core.serve.guard import Guard
+from art_core.serve.jobs import JOB_ID, TrainingJobs, TrainJob
+from art_core.serve.models import ModelOperations
 from art_core.storage import ModelDir
 
-log = logging.getLogger("art_core.server")
+log = logging.getLogger("art_core.serve.app")
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
@@ -97,8 +97,8 @@ DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; ra
 class ArtServer(ModelOperations, TrainingJobs):
     """The app and the state behind it: a `LocalBackend` whose gateway runs in this loop.
 
-    The model operations are in art_core/server_models.py, the training jobs in
-    art_core/server_jobs.py; the app, its routes, its shutdown and the helpers they share
+    The model operations are in art_core/serve/models.py, the training jobs in
+    art_core/serve/jobs.py; the app, its routes, its shutdown and the helpers they share
     are here."""
 
     def __init__(self, root: str | Path = ".art", *, api_key: str | None = None,
@@ -369,8 +369,8 @@ async def serve(root: str | Path = ".art", *, host: str = "127.0.0.1", port: int
              "%s; API key %s; body limit %s", art.root, host, port, API_PREFIX,
              "required" if art.api_key else "not set (loopback only)", size_text(max_body_bytes))
     watcher = None
-    if idle_exit_minutes > 0:  # art_core/idle.py says why
-        from art_core.idle import ActivityTracker, exit_when_idle
+    if idle_exit_minutes > 0:  # art_core/serve/idle.py says why
+        from art_core.serve.idle import ActivityTracker, exit_when_idle
 
         tracker = ActivityTracker(server.config.app)
         server.config.app = tracker

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from art_core.loggers import Logger, StepRecord
+from art_core.observe.base import Logger, StepRecord
 
 TABLE_COLUMNS = ["step", "group", "trajectory", "reward", "messages", "metrics", "ruler",
                  "metadata"]

@@ -29,7 +29,7 @@ import json
 import time
 from typing import Any
 
-from art_core.loggers import Logger, StepRecord
+from art_core.observe.base import Logger, StepRecord
 from art_core.trajectory import History, Trajectory
 
 

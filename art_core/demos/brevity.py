@@ -23,20 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import time
-from pathlib import Path
 
-from art_core import (
-    LocalBackend,
-    TrainableModel,
-    TrainConfig,
-    Trajectory,
-    TrajectoryGroup,
-    gather_trajectory_groups,
-)
-from art_core.plot import PlotError, plot_curves
-from art_core.storage import append_jsonl, read_jsonl
+from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_core.loop import train_loop
+from art_core.model import TrainResult
+from art_core.observe.plot import PlotError, plot_curves
 
 QUESTIONS = [
     "Describe the ocean.", "Why is the sky blue?", "What is a computer?",
@@ -74,19 +66,11 @@ async def rollout(model: TrainableModel, question: str, temperature: float = 1.0
     return traj
 
 
-async def evaluate(model: TrainableModel, questions: list[str], n: int = 2) -> float:
-    """Mean reward of fresh rollouts (not trained on) at the current step."""
-    groups = await gather_trajectory_groups(
-        ([rollout(model, q) for _ in range(n)] for q in questions), show_progress=False)
-    rewards = [t.reward for g in groups for t in g]
-    return sum(rewards) / len(rewards)
-
-
 async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
               rollouts_per_group: int = 6, learning_rate: float = 1e-3, seed: int = 0,
               eval_questions: int = 8, plot: bool = True) -> list[tuple[int, float]]:
-    """Train for `steps` steps (continuing an earlier run); returns [(step, eval reward)] of
-    the whole run directory, earlier runs included."""
+    """Train for `steps` steps (continuing an earlier run), evaluating after each; returns
+    [(step, eval reward)] of the whole run directory, earlier runs included."""
     train_qs, eval_qs = QUESTIONS[:-eval_questions], QUESTIONS[-eval_questions:]
     async with LocalBackend(path) as backend:
         t0 = time.perf_counter()
@@ -95,27 +79,20 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
         print(f"registered {model.name} on {model.base_model} "
               f"({time.perf_counter() - t0:.0f} s, engine + gateway up)")
         md = backend._dir(model)
-        evals = EvalLog(md.path / "eval.jsonl")  # the eval curve of every run on this directory
-        start = await model.get_step()
-        if start not in evals.curve:
-            evals.add(start, await evaluate(model, eval_qs))
-        print(f"step {start:>3}  eval reward {evals.curve[start]:.3f}")
-        config = TrainConfig(learning_rate=learning_rate)
-        rng = random.Random(f"{seed}-{start}")  # a resumed run draws other questions
-        for step in range(start, start + steps):
-            questions = rng.sample(train_qs, groups_per_step)
-            groups: list[TrajectoryGroup] = await gather_trajectory_groups(
-                ([rollout(model, q) for _ in range(rollouts_per_group)] for q in questions),
-                description=f"step {step} rollouts")
-            result = await model.train(groups, config)
-            reward = await evaluate(model, eval_qs)
-            evals.add(result.step, reward)
+
+        def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
             m = result.metrics
-            print(f"step {result.step:>3}  eval reward {reward:.3f}  train reward "
-                  f"{m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
-                  f"{m['seconds']:.1f} s train  {m['trained_tokens']:.0f} tokens")
-        await _show_before_after(model, eval_qs[0], await model.get_step())
-        curve = sorted(evals.curve.items())
+            return (f"step {result.step:>3}  train reward {m['reward_mean']:.3f}  loss "
+                    f"{m['loss']:+.4f}  {m['seconds']:.1f} s train  "
+                    f"{m['trained_tokens']:.0f} tokens")
+
+        loop = await train_loop(
+            model, lambda q: rollout(model, q), train_qs, eval_qs, md.path, steps=steps,
+            groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
+            eval_rollouts=2, train_config=TrainConfig(learning_rate=learning_rate), seed=seed,
+            eval_every=1, on_step=step_line)
+        await _show_before_after(model, eval_qs[0], loop.after.step)
+        curve = [(s, e.reward) for s, e in loop.evals.items()]
         if plot:
             try:
                 out = plot_curves({"eval reward (held-out questions)": {model.name: curve}},
@@ -127,20 +104,6 @@ async def run(path: str = ".art", steps: int = 8, groups_per_step: int = 4,
         print(f"reward curve: {' '.join(f'{s}:{r:.2f}' for s, r in curve)}")
         print(f"checkpoints in {md.checkpoints}")
     return curve
-
-
-class EvalLog:
-    """step -> eval reward, kept in a JSONL file so a resumed run plots the whole curve."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.curve = {int(r["step"]): float(r["eval_reward"]) for r in read_jsonl(path)
-                      if isinstance(r.get("step"), int)
-                      and isinstance(r.get("eval_reward"), int | float)}
-
-    def add(self, step: int, reward: float) -> None:
-        self.curve[step] = reward
-        append_jsonl(self.path, {"step": step, "eval_reward": reward})
 
 
 async def _show_before_after(model: TrainableModel, question: str, step: int) -> None:

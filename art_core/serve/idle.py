@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-log = logging.getLogger("art_core.server")
+log = logging.getLogger("art_core.serve.app")
 
 
 class ActivityTracker:

@@ -32,6 +32,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from art_core.protocol import STEP
+
 CALL_BEGIN = '<tool_call>\n{"name": "'
 CALL_END = "}\n</tool_call>"
 # Arguments cannot hold a raw newline (JSON escapes it), so the first "}\n</tool_call>" ends them.
@@ -197,7 +199,7 @@ def stream_chunks(data: dict[str, Any], include_usage: bool) -> list[dict[str, A
                                       "finish_reason": None, "token_ids": c.get("token_ids")}]}
         if i == 0:
             first["prompt_token_ids"] = data.get("prompt_token_ids")
-            first["art_step"] = data.get("art_step")
+            first[STEP] = data.get(STEP)
         chunks.append(first)
         chunks.append({**base, "choices": [{"index": index, "delta": {},
                                             "finish_reason": c.get("finish_reason")}]})

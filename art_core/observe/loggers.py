@@ -8,7 +8,7 @@ explanations (in each trajectory's `logs`) and the rollouts' exceptions.
 
 - `RunDirLogger` (always on) writes what the backend does not already: the groups and metrics of
   other splits under `<model>/<split>/` (train groups are the journal, train metrics history.jsonl).
-- `WandbLogger` (art_core.wandb_logger) and `LangfuseLogger` (art_core.langfuse_logger) are off
+- `WandbLogger` (art_core.observe.wandb_logger) and `LangfuseLogger` (art_core.observe.langfuse_logger) are off
   unless configured by argument or environment (WANDB_API_KEY or WANDB_MODE=offline with
   WANDB_PROJECT; LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY). Their SDKs load only then.
 
@@ -20,72 +20,16 @@ each logger is logged as one warning; later failures are only counted (`Loggers.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_core.trajectory import TrajectoryGroup
+from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord
 
 log = logging.getLogger(__name__)
-
-SPLIT_TRAIN = "train"
-
-
-@dataclass
-class StepRecord:
-    """One model step as every logger sees it."""
-
-    project: str
-    model: str
-    step: int = field(metadata={"help": "The model's step: the checkpoint trained (train) or "
-                                        "the checkpoint that produced the groups (val)."})
-    split: str = SPLIT_TRAIN
-    metrics: dict[str, float] = field(default_factory=dict)
-    groups: list[TrajectoryGroup] = field(default_factory=list)
-    base_model: str | None = None
-    checkpoint: Path | None = field(default=None, metadata={"help": "Adapter dir of `step`."})
-
-
-class Logger:
-    """A destination for steps. Subclasses override `log_step` (and `close` if they buffer)."""
-
-    name = "logger"
-
-    def log_step(self, record: StepRecord) -> None:
-        """Record one step. May raise: `Loggers` catches and warns once."""
-
-    def close(self) -> None:
-        """Flush and release resources; called once at the end of the run."""
-
-
-def group_metrics(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    """Summary metrics of groups: reward mean/std, counts, exceptions and the mean of each
-    numeric trajectory metric (e.g. `ruler_score`, `tool_calls`)."""
-    groups = list(groups)
-    rewards = [t.reward for g in groups for t in g.trajectories]
-    out: dict[str, float] = {
-        "groups": float(len(groups)),
-        "trajectories": float(len(rewards)),
-        "exceptions": float(sum(len(g.exceptions) for g in groups)),
-    }
-    if rewards:
-        mean = math.fsum(rewards) / len(rewards)
-        out["reward_mean"] = mean
-        out["reward_std"] = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
-    sums: dict[str, list[float]] = {}
-    for g in groups:
-        for t in g.trajectories:
-            for k, v in t.metrics.items():
-                sums.setdefault(k, []).append(float(v))
-    for k, vs in sums.items():
-        out.setdefault(k, math.fsum(vs) / len(vs))
-    return out
-
 
 class RunDirLogger(Logger):
     """The always-on default: the run directory (what the viewer reads)."""
@@ -127,13 +71,13 @@ def optional_loggers_from_env(env: dict[str, str] | None = None) -> list[Logger]
         return []
     out: list[Logger] = []
     if env.get("WANDB_API_KEY") or env.get("WANDB_MODE", "").lower() == "offline":
-        from art_core.wandb_logger import WandbLogger
+        from art_core.observe.wandb_logger import WandbLogger
 
         out.append(WandbLogger(project=env.get("WANDB_PROJECT") or None,
                                entity=env.get("WANDB_ENTITY") or None,
                                log_checkpoints=_truthy(env.get("ART_WANDB_LOG_CHECKPOINTS"))))
     if env.get("LANGFUSE_PUBLIC_KEY") and env.get("LANGFUSE_SECRET_KEY"):
-        from art_core.langfuse_logger import LangfuseLogger
+        from art_core.observe.langfuse_logger import LangfuseLogger
 
         out.append(LangfuseLogger(
             public_key=env["LANGFUSE_PUBLIC_KEY"], secret_key=env["LANGFUSE_SECRET_KEY"],

@@ -1,7 +1,7 @@
-"""Errors of `art serve` (art_core/server.py) as the client sees them.
+"""Errors of `art serve` (art_core/serve/app.py) as the client sees them.
 
 Every error is JSON in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, the
-same as the gateway's. `ApiError` is an error meant for the client (its message is shown as it
+same as the gateway's (`art_core.protocol.error_body`). `ApiError` is an error meant for the client (its message is shown as it
 is); anything else is mapped to one by `ArtServer._client_error`, which never shows a server
 path or a traceback.
 """
@@ -12,10 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                409: "conflict_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 503: "service_unavailable"}
+from art_core.protocol import error_body
 
 
 class ApiError(Exception):
@@ -39,11 +36,9 @@ class BodyTooLarge(StarletteHTTPException):
 def error_response(status: int, message: str, code: str | int | None = None,
                    param: str | None = None, headers: dict[str, str] | None = None
                    ) -> JSONResponse:
-    """The OpenAI error shape, the same as the gateway's `openai_error`."""
-    return JSONResponse(
-        {"error": {"message": message, "type": STATUS_TYPES.get(status, "server_error"),
-                   "param": param, "code": code if code is not None else status}},
-        status_code=status, headers=headers)
+    """The OpenAI error shape (`protocol.error_body`) as a response."""
+    return JSONResponse(error_body(status, message, code, param), status_code=status,
+                        headers=headers)
 
 
 def size_text(n: int) -> str:

@@ -6,7 +6,7 @@ This watchdog sits between: it leads a process group of its own (art starts it w
 runs the command inside that group, and when its parent dies (PDEATHSIG, or a changed parent
 pid) or it is told to stop, it stops the command gracefully and then kills the whole group.
 
-    python -m art_core._watchdog <command ...>
+    python -m art_core.inference._watchdog <command ...>
 """
 
 from __future__ import annotations

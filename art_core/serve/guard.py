@@ -1,4 +1,4 @@
-"""The guard in front of every route of `art serve` (art_core/server.py): API key, body size,
+"""The guard in front of every route of `art serve` (art_core/serve/app.py): API key, body size,
 last-resort errors.
 
 ARCHITECTURE invariant 8: with an API key every route but /health needs
@@ -15,9 +15,9 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from art_core.server_errors import BodyTooLarge, error_response
+from art_core.serve.errors import BodyTooLarge, error_response
 
-log = logging.getLogger("art_core.server")
+log = logging.getLogger("art_core.serve.app")
 
 PUBLIC_PATHS = frozenset({"/health"})
 

@@ -1,0 +1,1 @@
+"""Small runnable demos on the embedded model (`art demo --task brevity`)."""

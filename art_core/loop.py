@@ -1,0 +1,200 @@
+"""Evaluate, train, evaluate: the loop the demos, MCP·RL and AutoRL all run.
+
+1. `evaluate` the held-out scenarios at the current step: rollouts that are never trained on,
+   summarised as `EvalStats` (rates with 95% Wilson intervals, means of trajectory metrics).
+   `train_loop` caches each step's stats in `<run_dir>/eval.jsonl` and its groups in
+   `<run_dir>/eval-<step>.jsonl`, so a resumed run does not pay for an evaluation twice.
+2. Each step: `groups_per_step` train scenarios (drawn by an RNG seeded with the step, so a
+   resumed run draws what an uninterrupted one would have) x `rollouts_per_group` rollouts, scored as each group completes (`after_each`, e.g.
+   RULER), then one GRPO step (`model.train`).
+3. `evaluate` again (and after every `eval_every` steps, for a curve).
+
+A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from art_core.gather import gather_trajectory_groups
+from art_core.model import TrainableModel, TrainResult
+from art_core.observe.base import wilson
+from art_core.storage import append_jsonl, read_jsonl
+from art_core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
+
+RolloutFn = Callable[[Any], Awaitable[Trajectory]]
+"""One rollout of one scenario, with the model and tools already bound."""
+
+SOLVED = 1.0 - 1e-9
+"""A trajectory with a reward at least this high counts as solved."""
+
+
+@dataclass
+class Rate:
+    """k successes out of n rollouts, with its 95% Wilson interval."""
+
+    k: int
+    n: int
+
+    @property
+    def value(self) -> float:
+        return self.k / self.n if self.n else 0.0
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        return wilson(self.k, self.n)
+
+    def text(self, percent: bool = False) -> str:
+        lo, hi = self.ci
+        if percent:
+            return f"{self.k}/{self.n} {100 * self.value:.1f}% [{100 * lo:.0f}%, {100 * hi:.0f}%]"
+        return f"{self.value:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+@dataclass
+class EvalStats:
+    """Held-out results at one step: `rates` of boolean outcomes (`solved`: reward = 1, and
+    every boolean trajectory metric, e.g. `success`, `completed`) and `means` of the numeric
+    trajectory metrics (e.g. `tool_calls`, `turns`)."""
+
+    step: int
+    scenarios: int
+    rollouts: int
+    failed: int
+    reward: float
+    rates: dict[str, Rate] = field(default_factory=dict)
+    means: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_groups(cls, step: int, groups: Sequence[TrajectoryGroup]) -> EvalStats:
+        trajs = [t for g in groups for t in g]
+        n = len(trajs)
+        rates = {"solved": Rate(sum(t.reward >= SOLVED for t in trajs), n)}
+        values: dict[str, list[float]] = {}
+        for t in trajs:
+            for k, v in t.metrics.items():
+                values.setdefault(k, []).append(v)
+        means = {}
+        for k, vs in values.items():
+            if all(isinstance(v, bool) for v in vs):
+                rates[k] = Rate(sum(vs), n)  # absent counts as False
+            else:
+                means[k] = sum(float(v) for v in vs) / n
+        return cls(step=step, scenarios=len(groups), rollouts=n,
+                   failed=sum(len(g.exceptions) for g in groups),
+                   reward=sum(t.reward for t in trajs) / n if n else 0.0,
+                   rates=rates, means=means)
+
+    def rate(self, name: str) -> Rate:
+        """The rate `name`, or 0 of n when no trajectory reported it."""
+        return self.rates.get(name, Rate(0, self.rollouts))
+
+    def row(self) -> dict[str, Any]:
+        """As a JSON row of `eval.jsonl`."""
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> EvalStats:
+        row = dict(row)
+        row["rates"] = {k: Rate(**v) for k, v in (row.get("rates") or {}).items()}
+        return cls(**row)
+
+
+async def evaluate(rollout: RolloutFn, scenarios: Sequence[Any], step: int, *,
+                   rollouts: int = 2, after_each: Any = None, max_concurrency: int | None = None,
+                   save_to: Path | None = None, description: str | None = None) -> EvalStats:
+    """Held-out rollouts at the current step (not trained on); failures are counted, not
+    fatal. `save_to`: a JSONL file for the groups, to read what the agent did."""
+    groups = await gather_trajectory_groups(
+        ([rollout(s) for _ in range(rollouts)] for s in scenarios),
+        max_exceptions=float("inf"), after_each=after_each, max_concurrency=max_concurrency,
+        description=description or f"eval step {step} (held-out)")
+    if save_to is not None:
+        write_groups_jsonl(groups, save_to)
+    return EvalStats.from_groups(step, groups)
+
+
+@dataclass
+class LoopResult:
+    """What `train_loop` did: held-out stats before and after (and at every evaluated step),
+    and one row per training step."""
+
+    before: EvalStats
+    after: EvalStats
+    steps: list[dict[str, Any]]
+    evals: dict[int, EvalStats] = field(default_factory=dict)
+
+
+def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
+    """The default line printed after each step."""
+    m = result.metrics
+    return (f"step {result.step}: train reward {_num(m.get('reward_mean'), '.3f')}  "
+            f"loss {_num(m.get('loss'), '+.4f')}  {float(m.get('seconds', 0.0)):.1f} s train")
+
+
+async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[Any],
+                     held: Sequence[Any], run_dir: Path, *, steps: int, groups_per_step: int,
+                     rollouts_per_group: int, eval_rollouts: int, after_each: Any = None,
+                     train_config: Any = None, seed: int = 0,
+                     max_concurrency: int | None = None, eval_every: int | None = None,
+                     max_exceptions: int | float = 0.5,
+                     on_step: Callable[[TrainResult, list[TrajectoryGroup]], str] = step_line,
+                     print_fn: Callable[[str], None] = print) -> LoopResult:
+    """Evaluate, train `steps` GRPO steps, evaluate again (see the module docstring).
+    `on_step` formats the line printed after each step."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    evals: dict[int, EvalStats] = {}
+    for r in read_jsonl(run_dir / "eval.jsonl"):
+        try:
+            evals[int(r["step"])] = EvalStats.from_row(r)
+        except (KeyError, TypeError, ValueError):
+            continue  # a row written by an older version: evaluated again if needed
+
+    async def held_out_at(step: int) -> EvalStats:
+        if step not in evals:
+            evals[step] = await evaluate(rollout, held, step, rollouts=eval_rollouts,
+                                         after_each=after_each, max_concurrency=max_concurrency,
+                                         save_to=run_dir / f"eval-{step:04d}.jsonl")
+            append_jsonl(run_dir / "eval.jsonl", evals[step].row())
+        return evals[step]
+
+    start = await model.get_step()
+    before = await held_out_at(start)
+    print_fn(f"step {start}: held-out reward {before.reward:.3f}, solved "
+             f"{before.rate('solved').text()}")
+    history = []
+    for i in range(steps):
+        # seeded by the step, so a resumed run draws what an uninterrupted one would have
+        rng = random.Random(f"{seed}-{start + i}")
+        picked = rng.sample(list(train), min(groups_per_step, len(train)))
+        groups = await gather_trajectory_groups(
+            ([rollout(s) for _ in range(rollouts_per_group)] for s in picked),
+            max_exceptions=max_exceptions, after_each=after_each,
+            max_concurrency=max_concurrency, description=f"step {start + i + 1} rollouts")
+        result = await model.train(groups, train_config)
+        m = result.metrics
+        history.append({"step": result.step, "train_reward": m.get("reward_mean"),
+                        "loss": m.get("loss"), "groups": len(groups),
+                        "seconds": round(float(m.get("seconds", 0.0)), 1)})
+        print_fn(on_step(result, groups))
+        if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
+            await held_out_at(result.step)
+    after = await held_out_at(await model.get_step())
+    return LoopResult(before=before, after=after, steps=history, evals=dict(sorted(evals.items())))
+
+
+def load_eval_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:
+    """The held-out groups `train_loop` saved for `step` (none if it did not evaluate it)."""
+    from art_core.trajectory import read_groups_jsonl
+
+    path = run_dir / f"eval-{step:04d}.jsonl"
+    return read_groups_jsonl(path) if path.exists() else []
+
+
+def _num(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(float(value), spec)

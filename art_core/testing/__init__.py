@@ -1,0 +1,1 @@
+"""Helpers for tests and examples: tiny random models of each family, built in-process."""
