@@ -1,5 +1,5 @@
 # The two commands of the quick start. Each installs what it needs on first use.
-.PHONY: setup demo test lint
+.PHONY: setup demo test unit lint docs
 
 setup:
 	@bash scripts/setup.sh
@@ -10,7 +10,17 @@ demo: setup
 test:
 	@bash scripts/setup.sh --dev
 	.venv/bin/python -m pytest -q
+	.venv/bin/mkdocs build --strict --quiet -d .venv/site
+
+# the fast set: no vLLM engine (tests/unit)
+unit:
+	@bash scripts/setup.sh --dev
+	.venv/bin/python -m pytest -q tests/unit
 
 lint:
 	@bash scripts/setup.sh --dev
 	.venv/bin/ruff check .
+
+docs:
+	@bash scripts/setup.sh --dev
+	.venv/bin/mkdocs serve

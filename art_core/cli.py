@@ -21,7 +21,6 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Annotated, Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -33,15 +32,18 @@ def plugin_commands() -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
 
 
-def _plugin(ep: EntryPoint) -> click.Command:
+def _plugin(ep: EntryPoint) -> Any:
     """A pass-through command for a plugin's `main(argv)`: its arguments are its own."""
     try:
         fn: Callable[[list[str]], Any] | None = ep.load()
         doc = inspect.getdoc(fn) or ""
     except Exception as e:  # noqa: BLE001 - a broken plugin must not break `art --help`
         fn, doc = None, f"(cannot be loaded: {type(e).__name__}: {e})"
+    one = typer.Typer(add_completion=False)
 
-    def run(ctx: click.Context) -> None:
+    @one.command(ep.name, help=doc, add_help_option=False,  # --help: the command's own parser
+                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def run(ctx: typer.Context) -> None:
         if fn is None:
             typer.echo(f"error: the command {ep.name!r} ({ep.value}) {doc[1:-1]}", err=True)
             raise typer.Exit(code=1)
@@ -51,20 +53,17 @@ def _plugin(ep: EntryPoint) -> click.Command:
             argv = raw[raw.index(ep.name) + 1:]
         _run(fn(argv))
 
-    return click.Command(
-        ep.name, callback=click.pass_context(run), help=doc, short_help=doc.split("\n")[0],
-        add_help_option=False,  # --help goes to the command's own parser
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    return typer.main.get_command(one)
 
 
 class _Commands(TyperGroup):
     """Typer's group, plus the plugin commands (loaded only when listed or run)."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Any) -> list[str]:
         return [*super().list_commands(ctx),
                 *sorted(set(plugin_commands()) - set(self.commands))]
 
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+    def get_command(self, ctx: Any, name: str) -> Any:
         command = super().get_command(ctx, name)
         if command is None and name in plugin_commands():
             command = _plugin(plugin_commands()[name])

@@ -101,7 +101,7 @@ class TrainConfig(_Strict):
     learning_rate: float = Field(1e-4, gt=0, description=(
         "AdamW learning rate. LoRA wants ~10x the full fine-tuning rate ('LoRA Without Regret', "
         "2025). 1e-4 is a middle ground for 0.1-8B models at rank 8; the 135M demo model learns "
-        "fastest near 1e-3 (tests/test_learning.py), larger models want less."))
+        "fastest near 1e-3 (tests/engine/test_learning.py), larger models want less."))
     loss: LossName = Field("cispo", description=(
         "'cispo': clipped, detached importance weight times logprob (MiniMax-M1, 2025; ART's "
         "default), keeps a gradient on every token. 'ppo': PPO clipped ratio. 'gspo': "

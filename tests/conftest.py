@@ -47,23 +47,3 @@ async def backend(run_root: Path) -> AsyncIterator[object]:
     b = LocalBackend(run_root)
     yield b
     await b.close()
-
-
-async def release_engine(backend, base_model: str) -> None:
-    """Stop the session backend's engine of a base model that no later test uses (a module's
-    own tiny model), with the models it serves: each engine holds 2-4 GB, and the suite's
-    peak, with `art serve`'s engines beside the session's, came within 1 GB of the 24 GB."""
-    import asyncio
-
-    engine = backend._engines.pop(base_model)
-    backend.gateway.engines.pop(engine.served_name, None)
-    for name in [n for n, m in backend.gateway.models.items() if m.engine is engine]:
-        del backend.gateway.models[name]
-    await asyncio.to_thread(engine.stop)
-
-
-def tiny_config(max_model_len: int = 1024):
-    """Engine settings for tiny models: short context, fast start."""
-    from art_core import EngineConfig, ModelConfig
-
-    return ModelConfig(engine=EngineConfig(max_model_len=max_model_len, max_num_seqs=16))

@@ -1,0 +1,115 @@
+"""EngineConfig.serve_merged on the real vLLM engine: after a step, vLLM samples from the merged
+weights of exactly that step (its logprobs are the trained policy's, not the base's), and what it
+cannot serve (older steps, the base name, a second model) is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from art_core import EngineConfig, ModelConfig, TrainableModel, TrainConfig
+from art_core.gather import gather_trajectory_groups
+from art_core.testing.tiny import build_tiny_model
+from art_core.train.trainer import Trainer
+from tests.support.engine import release_engine, rollout
+
+pytestmark = pytest.mark.engine
+
+IDS = [1, 7, 12, 30, 41, 5, 19, 63, 2, 27, 11, 50]
+
+
+def merged_config() -> ModelConfig:
+    return ModelConfig(engine=EngineConfig(max_model_len=1024, max_num_seqs=16,
+                                           serve_merged=True))
+
+
+async def engine_logprobs(model: TrainableModel, name: str) -> torch.Tensor:
+    """vLLM's logprob of each token of IDS given the ones before it: [len(IDS) - 1]."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        r = await c.post(f"{model.base_url}/completions", json={
+            "model": name, "prompt": IDS, "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, IDS[1:], strict=True)])
+
+
+def reference_logprobs(base: str, adapter=None) -> torch.Tensor:
+    """transformers (float32), with the step's peft adapter if given: [len(IDS) - 1]."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([IDS])).logits[0, :-1]  # [T-1, V]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0]
+
+
+async def test_merged_serving_samples_the_trained_step(backend, tmp_path_factory, monkeypatch):
+    base = str(build_tiny_model(tmp_path_factory.mktemp("merged") / "qwen3", "qwen3"))
+    threads = []  # where the trainer was built and stepped: one thread, for one OpenMP team
+    for method in ("__init__", "step"):
+        original = getattr(Trainer, method)
+
+        def recorded(self, *args, _original=original, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(Trainer, method, recorded)
+    try:
+        await check_merged_serving(backend, base)
+        assert len(threads) == 2 and all(t.startswith("art-trainer") for t in threads), threads
+    finally:  # this base is the module's own: free its engine's memory for the tests after
+        if base in backend._engines:
+            await release_engine(backend, base)
+
+
+async def check_merged_serving(backend, base: str) -> None:
+    model = TrainableModel(name="merged-policy", project="merged", base_model=base,
+                           config=merged_config())
+    await model.register(backend)
+    at_start = await engine_logprobs(model, model.name)
+    groups = await gather_trajectory_groups(
+        ([rollout(model, i) for i in range(4)] for _ in range(2)), show_progress=False)
+    result = await model.train(groups, TrainConfig(learning_rate=5e-2, bf16=False))
+    assert result.step == 1
+    served = await engine_logprobs(model, model.name)
+
+    policy = reference_logprobs(base, backend.checkpoint_dir(model, 1))
+    base_lp = reference_logprobs(base)
+    moved = (policy - base_lp).abs().mean().item()
+    off = (served - policy).abs().mean().item()
+    assert moved > 0.05, f"the step barely changed the policy ({moved:.4f}): test too weak"
+    assert off < moved / 5, f"vLLM serves {off:.4f} away from step 1, which moved {moved:.4f}"
+    assert (at_start - base_lp).abs().mean().item() < moved / 5  # step 0 is the base
+
+    r = await model.openai_client().chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == f"{model.name}@1"
+    engine = backend._engines[base]
+    assert engine.adapters == {f"{model.name}@1": str(backend.checkpoint_dir(model, 1).resolve())}
+
+    for name, why in [(f"{model.name}@0", "serve_merged"), (base, "merged weights")]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(f"{model.base_url}/completions",
+                             json={"model": name, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and why in r.json()["error"]["message"], (name, r.text)
+
+    # vLLM killed: the supervisor restarts it from the base and merges step 1 in again
+    os.killpg(engine._proc.pid, signal.SIGKILL)
+    await asyncio.sleep(1)
+    await asyncio.to_thread(engine.wait_ready, 240)
+    restarted = await asyncio.wait_for(engine_logprobs(model, model.name), 240)
+    assert engine.restarts == 1
+    assert (restarted - policy).abs().mean().item() < moved / 5
+
+    other = TrainableModel(name="merged-other", project="merged", base_model=base,
+                           config=merged_config())
+    with pytest.raises(ValueError, match="serves another model as merged weights"):
+        await other.register(backend)
+    assert await model.get_step() == 1

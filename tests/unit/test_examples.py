@@ -1,0 +1,44 @@
+"""The examples in examples/ without an engine: their command lines and the rules of their
+worlds (tests/engine/test_examples.py runs each in its smallest setting)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.data import EXAMPLES
+from tests.support.data import load_example as load
+
+
+@pytest.mark.parametrize("name", ["game_2048", "email_agent", "ruler_rewards"])
+def test_example_cli_documents_its_settings(name):
+    out = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--help"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "--cpu-smoke" in out
+
+
+def test_2048_game_rules():
+    game = load("game_2048").Game(0)
+    game.board = [[2, 2, 4, 0], [0, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 2]]
+    assert game.move("left") and game.board[0][:2] == [4, 4] and game.board[3][0] == 4
+    assert game.score == 8
+    game.board = [[2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [4, 2, 4, 2]]
+    assert game.stuck() and not game.move("left")
+
+
+def test_email_inbox_answers_each_question_from_one_email():
+    inbox = load("email_agent").Inbox(0)
+    for q in inbox.questions:
+        assert q.answer in inbox.read(q.email_id)
+        hits = [h["id"] for h in json.loads(inbox.search(q.text))]
+        assert q.email_id in hits
+    assert inbox.search('") * NEAR(') == "[]"  # FTS5 syntax in keywords is only words
+
+
+def test_the_lookup_tool_answers_from_the_table():
+    module = load("langgraph_agent")
+    assert "capital Velmor" in module.lookup_country.invoke({"country": "Zarnia"})
+    assert "No country named" in module.lookup_country.invoke({"country": "Atlantis"})

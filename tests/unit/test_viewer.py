@@ -1,0 +1,201 @@
+"""`art view` on a real run directory (real training steps on the tiny model, no vLLM): the JSON
+routes, what is refused (404 for bad names and paths, nothing outside the run directory), and
+the page in a real headless Chromium: steps listed, a group opened, its trajectories shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from art_core.observe.viewer import make_server
+from art_core.storage import ModelDir
+from tests.support.browser import Browser, find_chromium
+from tests.support.runs import agent_groups, make_backend, tokenizer, train_steps
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOT = Path(os.environ.get("ART_VIEW_SCREENSHOT",
+                                 REPO / ".art" / "screenshots" / "art-view-group.png"))
+
+
+@pytest.fixture(scope="module")
+async def run_dir(tiny_models, tmp_path_factory) -> Path:
+    """Two trained steps with val groups, then a journaled step 3 still "training"; plus a
+    secret outside the run directory and symlinks pointing at it."""
+    root = tmp_path_factory.mktemp("viewer-run")
+    backend, model = await make_backend(root, tiny_models["llama"], loggers=[])
+    await train_steps(backend, model, steps=2)
+    md = ModelDir(root, "demo", "agent")
+    md.journal_groups(3, agent_groups(tokenizer(backend, model), 2))  # not trained yet
+    await backend.close()
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "models").mkdir()
+    secret = outside / "journal"
+    secret.mkdir()
+    (secret / "0001.jsonl").write_text(md.journal.joinpath("0001.jsonl").read_text())
+    (outside / "secret.txt").write_text("TOP SECRET")
+    (root / "demo" / "models" / "leak").symlink_to(outside)  # a model dir pointing outside
+    (md.journal / "0009.jsonl").symlink_to(secret / "0001.jsonl")  # a step pointing outside
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(run_dir: Path) -> Iterator[str]:
+    srv = make_server(run_dir, 0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def get(url: str, method: str = "GET") -> tuple[int, bytes]:
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_binds_loopback_only(server: str) -> None:
+    assert server.startswith("http://127.0.0.1:")
+
+
+def test_api_lists_models_steps_groups_and_trajectories(server: str) -> None:
+    status, body = get(server + "/api/models")
+    assert status == 200
+    models = json.loads(body)
+    assert [(m["project"], m["name"]) for m in models] == [("demo", "agent")]  # no "leak"
+    assert models[0]["steps"] == 2 and models[0]["checkpoints"] == [0, 1, 2]
+
+    summary = json.loads(get(server + "/api/models/demo/agent")[1])
+    train = summary["splits"]["train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert [r.get("pending", False) for r in train] == [False, False, True]
+    assert train[0]["reward_mean"] == pytest.approx(1.5 / 5) and "loss" in train[0]
+    assert [r["step"] for r in summary["splits"]["val"]] == [1, 2]
+
+    step = json.loads(get(server + "/api/models/demo/agent/train/1")[1])
+    assert [g["trained"] for g in step["groups"]] == [True, False]  # the all-zero group: no signal
+    assert step["groups"][0]["rewards"] == [1.0, 0.0, 0.5]
+    assert step["groups"][0]["exceptions"][0]["type"] == "TimeoutError"
+
+    group = json.loads(get(server + "/api/models/demo/agent/train/1/0")[1])
+    best = group["trajectories"][0]
+    assert best["reward"] == 1.0
+    assert best["ruler"] == ["RULER judge [listwise]: score 1.000: Called the tool and answered "
+                             "with its result."]
+    arts = [m.get("_art") for m in best["messages"]]
+    assert [a["trained"] if a else None for a in arts] == [None, None, True, None, True]
+    assert arts[2]["step"] == 0 and arts[2]["latency_s"] == 0.25
+    assert best["messages"][3] == {"role": "tool", "tool_call_id": "call_Paris",
+                                   "content": '{"temperature": 21, "city": "Paris"}'}
+    zero = json.loads(get(server + "/api/models/demo/agent/train/1/1")[1])
+    assert not any(m.get("_art", {}).get("trained") for t in zero["trajectories"]
+                   for m in t["messages"])
+
+
+@pytest.mark.parametrize("path", [
+    "/api/models/demo/nope", "/api/models/nope/agent",
+    "/api/models/demo/leak", "/api/models/demo/leak/train/1",  # a symlink out of the run dir
+    "/api/models/demo/agent/train/9",  # a journal file that is a symlink out of the run dir
+    "/api/models/demo/agent/train/abc", "/api/models/demo/agent/train/-1",
+    "/api/models/demo/agent/train/7", "/api/models/demo/agent/train/1/2",
+    "/api/models/demo/agent/train/1/x", "/api/models/demo/agent/journal/1",
+    "/api/models/demo/agent/checkpoints/0", "/api/models/demo/agent/val/1/0/extra",
+    "/api/models/demo/%2E%2E/agent", "/api/models/..%2F..%2Fetc/passwd",
+    "/api/models/demo/agent/..%2F..%2F..%2F..%2Fsecret.txt/1",
+    "/../../etc/passwd", "/static/../viewer.py", "/viewer.html", "/api", "/api/model",
+    "/api/models/demo/agent/model.json", "/api/models/demo/agent/history.jsonl",
+])
+def test_bad_paths_are_404(server: str, path: str) -> None:
+    status, body = get(server + path)
+    assert status == 404, (path, status, body[:200])
+    assert b"SECRET" not in body and b"Paris" not in body
+
+
+def test_only_get_and_head(server: str) -> None:
+    assert get(server + "/api/models", "POST")[0] == 405
+    assert get(server + "/api/models", "DELETE")[0] == 405
+    status, body = get(server + "/api/models", "HEAD")
+    assert status == 200 and body == b""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium on this machine: apt-get install -y chromium")
+    b = Browser(binary)
+    yield b
+    b.close()
+
+
+def test_page_lists_steps_opens_a_group_and_shows_trajectories(server: str,
+                                                                browser: Browser) -> None:
+    browser.goto(server + "/")
+    browser.wait_for("document.querySelectorAll('a.model').length === 1")
+    assert "agent" in browser.eval("document.querySelector('a.model').textContent")
+    browser.eval("document.querySelector('a.model').click()")
+    steps = browser.wait_for(
+        "(() => { const r = [...document.querySelectorAll('table.steps[data-split=train] "
+        "a.step-link')].map(a => a.textContent.trim()); return r.length === 3 && r; })()")
+    assert steps == ["step 1", "step 2", "step 3"]
+    assert browser.eval("document.querySelectorAll('table.steps[data-split=val] tr.step')"
+                        ".length") == 2
+    assert "pending" in browser.eval("document.querySelector('table.steps').textContent")
+
+    browser.eval("document.querySelector('table.steps[data-split=train] a.step-link').click()")
+    cards = browser.wait_for("(() => { const c = document.querySelectorAll('.card.group'); "
+                             "return c.length === 2 && [...c].map(x => x.textContent); })()")
+    assert "trained" in cards[0] and "1 failed" in cards[0]
+    assert "not trained" in cards[1]
+
+    browser.eval("document.querySelector('.card.group').click()")
+    texts = browser.wait_for("(() => { const t = document.querySelectorAll('#trajectories "
+                             ".traj'); return t.length === 3 && [...t].map(x => x.innerText); "
+                             "})()")
+    assert "reward 1" in texts[0] and "reward 0" in texts[1] and "reward 0.500" in texts[2]
+    assert "Called the tool and answered with its result." in texts[0]
+    assert "lookup" in texts[0] and '"temperature": 21' in texts[0]  # tool call and result
+    assert "It is 21 degrees in Paris." in texts[0]
+    assert texts[0].count("TRAINED") + texts[0].count("trained") >= 2  # both sampled turns
+    assert "TimeoutError" in browser.eval("document.querySelector('#content').innerText")
+    # side by side: the three columns share one row
+    tops = browser.eval("[...document.querySelectorAll('#trajectories .traj')]"
+                        ".map(x => Math.round(x.getBoundingClientRect().top))")
+    assert len(set(tops)) == 1
+    shot = browser.screenshot(SCREENSHOT)
+    assert shot.stat().st_size > 10_000
+
+
+def test_art_view_command_serves_the_run_and_refuses_a_missing_dir(run_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "art_core.cli", "view"]
+    missing = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    proc = subprocess.Popen([*cmd, str(run_dir), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.split("art view: ", 1)[1].split()[0].rstrip("/")
+        assert url.startswith("http://127.0.0.1:")
+        status, body = get(url + "/api/models")
+        assert status == 200 and json.loads(body)[0]["name"] == "agent"
+        status, page = get(url + "/")
+        assert status == 200 and b"<title>art view</title>" in page
+    finally:
+        proc.terminate()
+        proc.wait(10)
