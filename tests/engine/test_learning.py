@@ -20,6 +20,7 @@ import pytest
 
 from art_core import TrainableModel, TrainConfig
 from art_core.gather import gather_trajectory_groups
+from art_core.loop import evaluate
 from art_langgraph.chat_model import init_chat_model
 from art_langgraph.demo import (
     HELD_OUT_COUNTRIES,
@@ -28,7 +29,6 @@ from art_langgraph.demo import (
     TRAIN_COUNTRIES,
     build_agent,
     episode,
-    evaluate,
     questions,
 )
 
@@ -46,7 +46,10 @@ async def test_agent_success_rate_rises_on_held_out_questions(backend, smollm2_p
     graph = build_agent(init_chat_model(model, max_tokens=MAX_TOKENS, temperature=TEMPERATURE))
     held_out = questions(HELD_OUT_COUNTRIES)
     train = questions(TRAIN_COUNTRIES)
-    before = await evaluate(graph, held_out, EVAL_SAMPLES, "eval before")
+    def rollout(q):
+        return episode(graph, q)
+
+    before = (await evaluate(rollout, held_out, 0, rollouts=EVAL_SAMPLES)).rate("success")
     successes = []
     for step in range(STEPS):
         batch = [train[(step * GROUPS + k) * 7 % len(train)] for k in range(GROUPS)]
@@ -54,8 +57,8 @@ async def test_agent_success_rate_rises_on_held_out_questions(backend, smollm2_p
             ([episode(graph, q) for _ in range(ROLLOUTS)] for q in batch), show_progress=False)
         await model.train(groups, TrainConfig(learning_rate=1e-3))
         successes.append(sum(bool(t.metrics["success"]) for g in groups for t in g))
-    after = await evaluate(graph, held_out, EVAL_SAMPLES, "eval after")
-    print(f"held-out success {before['successes']}/{before['episodes']} -> "
-          f"{after['successes']}/{after['episodes']}; training successes per step {successes}")
-    assert after["episodes"] == before["episodes"] == EVAL_SAMPLES * len(held_out)
-    assert after["successes"] >= before["successes"] + MIN_GAIN, (before, after, successes)
+    after = (await evaluate(rollout, held_out, STEPS, rollouts=EVAL_SAMPLES)).rate("success")
+    print(f"held-out success {before.k}/{before.n} -> {after.k}/{after.n}; training "
+          f"successes per step {successes}")
+    assert after.n == before.n == EVAL_SAMPLES * len(held_out)
+    assert after.k >= before.k + MIN_GAIN, (before, after, successes)
