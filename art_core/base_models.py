@@ -10,9 +10,11 @@ that renders `tools` (SmolLM2's own ignores them), so transformers and vLLM rend
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from art_core.model import DEFAULT_BASE_MODEL
@@ -44,6 +46,37 @@ def resolve_base_model(name: str) -> str:
             raise ValueError(f"base_model directory {path} has no config.json")
         return str(path.resolve())
     return name  # a Hugging Face id; loading it needs the hub or a local HF cache
+
+
+@dataclass(frozen=True)
+class BaseLimits:
+    """What a base model can take: its vocabulary (a token id must be below it) and its
+    context length (a trained sequence must fit), from its config; None where unknown."""
+
+    vocab_size: int | None
+    context: int | None
+
+
+def base_model_limits(name: str) -> BaseLimits:
+    """The base model's limits, read from its config: a local directory's config.json, or
+    for a Hugging Face id the config transformers has cached (the engine downloaded it)."""
+    path = Path(resolve_base_model(name))
+    try:
+        if (path / "config.json").exists():
+            cfg = json.loads((path / "config.json").read_text())
+        else:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(str(path)).to_dict()
+    except Exception:  # noqa: BLE001 - unknown limits are not checked, never a crash
+        return BaseLimits(None, None)
+    text = cfg.get("text_config") or {}
+
+    def first(key: str) -> int | None:
+        value = cfg.get(key) or text.get(key)
+        return int(value) if isinstance(value, int | float) and value > 0 else None
+
+    return BaseLimits(first("vocab_size"), first("max_position_embeddings"))
 
 
 def _smollm2_gguf() -> Path:

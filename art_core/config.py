@@ -84,6 +84,18 @@ class EngineConfig(_Strict):
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))
 
+    def conflicts(self, running: EngineConfig) -> list[str]:
+        """The settings in which this config differs from a running engine's, as
+        "engine.<field>=<this> (running: <that>)": a running engine cannot take them, so a
+        model that asks for them is refused instead of being served otherwise."""
+        return [f"engine.{name}={getattr(self, name)!r} (running: {getattr(running, name)!r})"
+                for name in type(self).model_fields
+                if name not in RUNTIME_ONLY and getattr(self, name) != getattr(running, name)]
+
+
+RUNTIME_ONLY = frozenset({"startup_timeout_s"})
+"""EngineConfig fields that do not shape a running engine (a model may differ in them)."""
+
 
 class ModelConfig(_Strict):
     """Per-model settings fixed at registration."""
@@ -135,6 +147,11 @@ class TrainConfig(_Strict):
     bf16: bool | None = Field(None, description=(
         "bf16 autocast; None = where the hardware supports it (CUDA bf16 or CPU with AVX512-BF16/"
         "AMX; ~2.3x faster than fp32 on these CPUs)."))
+    max_sequence_tokens: int | None = Field(None, ge=16, description=(
+        "Longest training sequence (prompt and completion tokens) accepted; a longer one is "
+        "refused when the step is submitted, before anything is journaled, because it would "
+        "fail in the trainer after minutes (a 200k-token prompt asked for a 40 GB attention "
+        "mask). None: the base model's context length (max_position_embeddings)."))
     allow_retokenize: bool = Field(False, description=(
         "Trajectories whose assistant turns carry no sampled tokens are an error unless this is "
         "set; then they are rendered through the chat template (counted in a metric, warned)."))

@@ -69,9 +69,11 @@ class SampledTurn(BaseModel):
 
 
 class History(BaseModel):
-    """One conversation: messages (OpenAI chat format), tools offered and sampled-turn records."""
+    """One conversation: messages (OpenAI chat format), tools offered and sampled-turn records.
 
-    model_config = ConfigDict(extra="forbid")
+    Assignments are validated (`traj.reward = float("nan")` raises at once)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     messages: list[dict[str, Any]] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = Field(
@@ -271,7 +273,9 @@ def read_groups_jsonl(path: str | Path) -> list[TrajectoryGroup]:
 
 
 def check_groups(groups: Any) -> list[TrajectoryGroup]:
-    """The `groups` argument of `train`: a non-empty list of TrajectoryGroup (or one group)."""
+    """The `groups` argument of `train`: a non-empty list of TrajectoryGroup (or one group)
+    whose rewards are finite numbers (a NaN reward would train for minutes and then fail on
+    a NaN gradient norm that names nothing)."""
     if isinstance(groups, TrajectoryGroup):
         groups = [groups]
     groups = list(groups)
@@ -280,4 +284,30 @@ def check_groups(groups: Any) -> list[TrajectoryGroup]:
     for i, g in enumerate(groups):
         if not isinstance(g, TrajectoryGroup):
             raise TypeError(f"groups[{i}] is a {type(g).__name__}, not a TrajectoryGroup")
+        for j, t in enumerate(g.trajectories):
+            if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+                raise ValueError(f"groups[{i}].trajectories[{j}].reward is {t.reward!r}: a "
+                                 "reward must be a finite number (not NaN or infinite)")
     return groups
+
+
+def longest_sequence(trajectory: Trajectory) -> int:
+    """Tokens of the longest sequence a trajectory trains as: a turn's prompt and completion
+    (a later turn that extends an earlier one contains it)."""
+    return max((len(t.prompt_token_ids) + len(t.completion_token_ids)
+                for h in trajectory.histories() for t in h.turns), default=0)
+
+
+def check_sequence_lengths(groups: list[TrajectoryGroup], limit: int | None) -> None:
+    """Raise ValueError naming the first trajectory with a sequence longer than `limit`."""
+    if limit is None:
+        return
+    for i, g in enumerate(groups):
+        for j, t in enumerate(g.trajectories):
+            n = longest_sequence(t)
+            if n > limit:
+                raise ValueError(
+                    f"groups[{i}].trajectories[{j}] has a sequence of {n} tokens, longer than "
+                    f"the trainer's limit of {limit} (TrainConfig.max_sequence_tokens, by "
+                    "default the base model's context length): shorten the rollout or raise "
+                    "the limit")

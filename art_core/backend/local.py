@@ -1,33 +1,40 @@
 """`LocalBackend`: engine, gateway and trainer in this process. The whole RL loop:
 
     rollouts (through the gateway) -> backend.train(model, groups):
+      0. refuse what cannot train: an unregistered model, a non-finite reward, a sequence
+         longer than the trainer's limit, a disk without room for the step
       1. journal the groups to <model>/journal/<step>.jsonl   (a crash loses no rollout)
       2. close the gateway's gate; wait for running requests     (inference waits)
       3. vLLM sleeps (CUDA only: the trainer gets the memory)
       4. Trainer.step: one GRPO step from the latest checkpoint
-         (train_processes > 1: torchrun ranks train the journaled groups instead, see below)
-      5. save the adapter to checkpoints/.tmp-<step>, rename to checkpoints/<step>  (atomic)
+         (train_processes > 1: torchrun ranks train the journaled groups instead)
+      5. commit checkpoints/<step>: adapter, optimizer, request id, metrics, one atomic rename
       6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
       7. append metrics to history.jsonl; open the gate              (inference resumes)
-      8. hand the step to the loggers (art_core.observe.loggers: W&B, Langfuse if configured)
+      8. hand the step to the loggers (art_core.observe: W&B, Langfuse if configured)
+
+A step that fails for a reason a retry cannot fix (bad data, a NaN gradient) marks its journal
+failed, so `replay_interrupted` does not retry it forever; one killed or cut short (a crash, a
+full disk, a dead rank) stays interrupted and replays. A `train()` that is cancelled leaves its
+step to finish (or fail) on its own and never leaks the model's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import contextlib
 import logging
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from art_core.base_models import resolve_base_model
+from art_core.backend.trainers import Trainers
+from art_core.base_models import base_model_limits, resolve_base_model
 from art_core.config import TrainConfig
+from art_core.failpoints import failpoint
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.gateway import Gateway
 from art_core.inference.gateway_server import GatewayServer
@@ -35,17 +42,13 @@ from art_core.model import Endpoint, TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
 from art_core.storage import ModelDir
-from art_core.trajectory import TrajectoryGroup, check_groups
+from art_core.train.errors import RetryableStepError
+from art_core.trajectory import TrajectoryGroup, check_groups, check_sequence_lengths
 
 log = logging.getLogger(__name__)
 
-
-def _free_memory() -> None:
-    """Return a dropped trainer's memory (its tensors are freed once unreferenced)."""
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+RETRYABLE = (OSError, EngineError, TimeoutError, RetryableStepError)
+"""Failures a retry of the same step can get past (the journal stays for a replay)."""
 
 
 def _positive_int(name: str, n: object) -> int:
@@ -67,6 +70,14 @@ def check_train_processes(n: int) -> int:
     return n
 
 
+async def acquire(lock: threading.Lock) -> None:
+    """Take a thread lock from async code without blocking the loop. Polls instead of
+    waiting in a thread: a thread cannot be cancelled, and one that got the lock after its
+    caller was cancelled would hold it forever."""
+    while not lock.acquire(blocking=False):
+        await asyncio.sleep(0.02)
+
+
 class LocalBackend:
     """Runs inference (vLLM behind our gateway) and training (peft) on this machine."""
 
@@ -78,8 +89,7 @@ class LocalBackend:
 
         `trainers_in_memory`: how many models keep their trainer (a copy of the base weights,
         the LoRA and its optimizer) loaded between steps; the least recently used one beyond
-        that is dropped and reloaded from its checkpoint and optimizer file when it trains
-        again (seconds). Bounds memory when one backend holds many models.
+        that is dropped and reloaded from its checkpoint when it trains again (seconds).
 
         `train_processes`: data-parallel ranks per training step (art_core/train/distributed.py;
         on CUDA one per GPU, at most the visible GPUs). The default 1 trains in this process
@@ -89,22 +99,19 @@ class LocalBackend:
         large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
         self.root = Path(path).resolve()
         self.train_processes = check_train_processes(train_processes)
-        self.trainers_in_memory = _positive_int("trainers_in_memory", trainers_in_memory)
+        self.trainers = Trainers(self.root, _positive_int("trainers_in_memory",
+                                                          trainers_in_memory),
+                                 self.train_processes)
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
         self._external_loop = gateway is not None  # `art serve` runs the gateway itself
         self._host, self._port = host, port
         self._engines: dict[str, VLLMEngine] = {}
-        # (project, name) -> Trainer, least recently used first
-        self._trainers: dict[tuple[str, str], Any] = {}
+        self._registered: set[tuple[str, str]] = set()
         self._model_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
-        # Every trainer's torch work runs on this one thread. Each thread that runs torch ops
-        # gets its own OpenMP team, and with more teams than cores libgomp stops spinning
-        # between parallel regions: measured, SmolLM2 trainer steps took 2.1-2.3 s on one
-        # thread, 3.0-3.4 s when steps went to the default executor's threads in turn.
-        self._torch_thread = ThreadPoolExecutor(1, thread_name_prefix="art-trainer")
+        self._steps: set[asyncio.Task[Any]] = set()  # running steps, whoever awaits them
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -126,7 +133,10 @@ class LocalBackend:
         return await self._server.call(fn)
 
     async def close(self) -> None:
-        """Stop vLLM and the gateway. Checkpoints and history stay on disk."""
+        """Let running steps finish, then stop vLLM and the gateway. Checkpoints and history
+        stay on disk."""
+        if self._steps:
+            await asyncio.wait(list(self._steps))
         for engine in self._engines.values():
             await asyncio.to_thread(engine.stop)
         self._engines.clear()
@@ -150,18 +160,34 @@ class LocalBackend:
         with self._lock:
             return self._model_locks.setdefault((model.project, model.name), threading.Lock())
 
+    def _check_registered(self, model: TrainableModel) -> None:
+        if (model.project, model.name) not in self._registered:
+            raise ValueError(f"model {model.project}/{model.name} is not registered with this "
+                             "backend: await model.register(backend) first (is the name "
+                             "spelled as when it was registered?)")
+
     async def register(self, model: TrainableModel) -> Endpoint:
         """Start (or reuse) the engine for the model's base; create step 0 if the model is new;
-        serve the latest complete step."""
-        await asyncio.to_thread(self._register_sync, model)
+        serve the latest complete step. A registration that fails leaves nothing served and,
+        for a new model, nothing on disk."""
         md = self._dir(model)
-        step = md.latest_step()
-        assert step is not None
-        engine = self._engines[model.base_model]
-        await self._on_gateway(lambda: self.gateway.publish(
-            model.name, engine, step, md.checkpoint(step), project=model.project))
-        for s in md.steps()[:-1]:  # older steps stay reachable as name@step (loaded on demand)
-            self.gateway.models[model.name].checkpoints[s] = md.checkpoint(s)
+        new = not md.path.exists()
+        try:
+            await asyncio.to_thread(self._register_sync, model)
+            step = md.latest_step()
+            assert step is not None
+            engine = self._engines[model.base_model]
+            checkpoints = {s: md.checkpoint(s) for s in md.steps()}
+            await self._on_gateway(lambda: self.gateway.publish(
+                model.name, engine, step, md.checkpoint(step), project=model.project,
+                checkpoints=checkpoints))
+        except BaseException:
+            if (model.project, model.name) not in self._registered:
+                await self._on_gateway(lambda: self.gateway.forget_model(model.name))
+                if new:
+                    shutil.rmtree(md.path, ignore_errors=True)
+            raise
+        self._registered.add((model.project, model.name))
         return Endpoint(base_url=self.base_url if self._server else "", api_key=None)
 
     def _register_sync(self, model: TrainableModel) -> None:
@@ -174,10 +200,7 @@ class LocalBackend:
             )
         engine = self._engines.get(model.base_model)
         if engine is not None:  # refused before anything of the model is written
-            try:
-                engine.check_merged_owner(model.name)
-            except EngineError as e:
-                raise ValueError(str(e)) from None
+            self._check_engine_fits(model, engine)
         with self._model_lock(model):
             md.remove_partial_checkpoints()  # a step killed mid-save leaves a temp directory
             known = md.read_model_json()
@@ -198,16 +221,29 @@ class LocalBackend:
                                  "base_model": model.base_model,
                                  "lora": model.config.lora.model_dump()})
             if md.latest_step() is None:
-                self._torch_thread.submit(self._write_step_zero, model).result()
+                self.trainers.submit(self.trainers.write_step_zero, model).result()
+            repaired = md.repair_history()  # steps committed just before a crash
+            if repaired:
+                log.warning("%s/%s: history rows of steps %s rebuilt from their checkpoints",
+                            model.project, model.name, repaired)
 
-    def _write_step_zero(self, model: TrainableModel) -> None:
-        md = self._dir(model)
-        trainer = self._trainer(model)
-        tmp = md.temp_checkpoint(0)
-        trainer.save_adapter(tmp)  # a fresh LoRA: B = 0, so step 0 equals the base
-        md.commit_checkpoint(tmp, 0)
-        if self.train_processes > 1:  # the ranks load their own; free its memory
-            self._drop_trainer(model)
+    def _check_engine_fits(self, model: TrainableModel, engine: VLLMEngine) -> None:
+        """Refuse, naming the setting, a model the running engine cannot serve as asked."""
+        try:
+            engine.check_merged_owner(model.name)
+        except EngineError as e:
+            raise ValueError(str(e)) from None
+        if model.config.lora.rank > engine.max_lora_rank:
+            raise ValueError(
+                f"model {model.name!r} has LoRA rank {model.config.lora.rank}, but the engine of "
+                f"{model.base_model!r} was started for ranks up to {engine.max_lora_rank} (by "
+                "the first model registered on it): use rank <= that, or a backend of its own")
+        conflicts = model.config.engine.conflicts(engine.config)
+        if conflicts:
+            raise ValueError(
+                f"model {model.name!r} asks for {'; '.join(conflicts)}: the engine of "
+                f"{model.base_model!r} is already running, and its settings cannot change. "
+                "Register with the same EngineConfig, or use a backend of its own")
 
     def _ensure_engine(self, model: TrainableModel, base_path: str) -> VLLMEngine:
         with self._lock:
@@ -224,36 +260,6 @@ class LocalBackend:
         engine.start()
         return engine
 
-    def _trainer(self, model: TrainableModel) -> Any:
-        key = (model.project, model.name)
-        with self._lock:
-            trainer = self._trainers.pop(key, None)
-        if trainer is None:
-            from art_core.train.trainer import Trainer
-
-            trainer = Trainer(resolve_base_model(model.base_model), model.config.lora)
-            md = self._dir(model)
-            step = md.latest_step()
-            if step is not None:
-                trainer.load_adapter(md.checkpoint(step))
-                trainer.load_optimizer(md.optimizer, TrainConfig(), checkpoint=step)
-        with self._lock:
-            self._trainers[key] = trainer  # now the most recently used
-            evicted = list(self._trainers)[:-self.trainers_in_memory]
-            for old in evicted:  # their checkpoints and optimizer files are on disk
-                del self._trainers[old]
-        if evicted:
-            _free_memory()
-        return trainer
-
-    def _drop_trainer(self, model: TrainableModel) -> None:
-        """Forget the in-process trainer (its weights are stale once other processes trained a
-        step; the next in-process step loads the latest checkpoint) and free its memory."""
-        with self._lock:
-            if self._trainers.pop((model.project, model.name), None) is None:
-                return
-        _free_memory()
-
     async def get_step(self, model: TrainableModel) -> int:
         step = self._dir(model).latest_step()
         if step is None:
@@ -262,46 +268,53 @@ class LocalBackend:
 
     # ---- training --------------------------------------------------------------------------
 
+    def sequence_limit(self, model: TrainableModel, config: TrainConfig) -> int | None:
+        """The longest sequence a step of `model` may train (see TrainConfig)."""
+        if config.max_sequence_tokens is not None:
+            return config.max_sequence_tokens
+        return base_model_limits(model.base_model).context
+
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
                     config: TrainConfig | None = None, *,
-                    progress: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+                    progress: Callable[[dict[str, Any]], None] | None = None,
+                    request_id: str | None = None) -> TrainResult:
         """One GRPO step on `groups`; returns the new step and its metrics.
 
         `progress`, if given, is called with one event per phase: {"phase": "journaled" |
-        "paused" | "trained" | "published" | "done", "step": N, ...} (the server streams them)."""
+        "paused" | "trained" | "published" | "done", "step": N, ...} (the server streams them).
+        `request_id` is recorded with the committed step, so a retry can find it."""
         config = config or TrainConfig()
-        emit = progress or (lambda event: None)
         groups = check_groups(groups)
-        md = self._dir(model)
-        if model.base_model not in self._engines:
-            raise RuntimeError(f"model {model.name!r} is not registered with this backend")
+        self._check_registered(model)
+        check_sequence_lengths(groups, await asyncio.to_thread(self.sequence_limit, model,
+                                                                config))
         lock = self._model_lock(model)
-        await asyncio.to_thread(lock.acquire)  # two trainers of one model: one after the other
+        await acquire(lock)  # two trainers of one model: one after the other
+        task = asyncio.ensure_future(self._step(lock, model, groups, config,
+                                                progress or (lambda event: None), request_id))
+        self._steps.add(task)
+        task.add_done_callback(self._steps.discard)
+        # cancelling the caller does not cut the step in half: it finishes and frees the lock
+        return await asyncio.shield(task)
+
+    async def _step(self, lock: threading.Lock, model: TrainableModel,
+                    groups: list[TrajectoryGroup], config: TrainConfig,
+                    emit: Callable[[dict[str, Any]], None], request_id: str | None
+                    ) -> TrainResult:
         try:
+            md = self._dir(model)
+            await asyncio.to_thread(md.check_writable, md.step_bytes())
             step = (md.latest_step() or 0) + 1
             md.journal_groups(step, groups)  # before anything else: a crash loses no rollout
+            failpoint("journaled")
             emit({"phase": "journaled", "step": step, "groups": len(groups)})
-            engine = self._engines[model.base_model]
-            await self._on_gateway(self.gateway.pause)
-            emit({"phase": "paused", "step": step})
+            metrics = await self._train_published(model, groups, config, step, request_id,
+                                                  emit)
             try:
-                await asyncio.to_thread(engine.sleep)
-                metrics = await asyncio.get_running_loop().run_in_executor(
-                    self._torch_thread, self._train_and_save, model, groups, config, step)
-                emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
-                t_publish = time.perf_counter()
-                await asyncio.to_thread(engine.wake_up)
-                await self._on_gateway(
-                    lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),
-                                                 project=model.project))
-                # from the end of the optimizer step until the new adapter serves requests
-                metrics["publish_seconds"] = time.perf_counter() - t_publish
-                metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
-                emit({"phase": "published", "step": step})
-            finally:
-                await asyncio.to_thread(engine.wake_up)
-                await self._on_gateway(self._resume)
-            md.append_history({"step": step, **metrics})
+                md.append_history({"step": step, **metrics})
+            except OSError as e:  # the step is committed; its row is rebuilt at registration
+                log.warning("%s/%s step %d: history row not written (%s)", model.project,
+                            model.name, step, e)
             self.loggers.log_step(StepRecord(
                 model.project, model.name, step, SPLIT_TRAIN, {**group_metrics(groups), **metrics},
                 groups, model.base_model, md.checkpoint(step)))
@@ -310,32 +323,48 @@ class LocalBackend:
         finally:
             lock.release()
 
+    async def _train_published(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                               config: TrainConfig, step: int, request_id: str | None,
+                               emit: Callable[[dict[str, Any]], None]) -> dict[str, float]:
+        """Steps 2-7 of the module docstring, with the gate closed; the step's metrics."""
+        md = self._dir(model)
+        engine = self._engines[model.base_model]
+        await self._on_gateway(self.gateway.pause)
+        emit({"phase": "paused", "step": step})
+        asleep = False
+        try:
+            await asyncio.to_thread(engine.sleep)
+            asleep = True
+            try:
+                metrics = await asyncio.wrap_future(self.trainers.submit(
+                    self.trainers.train_and_save, model, groups, config, step, request_id))
+            except RETRYABLE:
+                raise
+            except Exception as e:  # the same groups would fail again: do not replay them
+                md.mark_failed(step, f"{type(e).__name__}: {e}")
+                raise
+            emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
+            t_publish = time.perf_counter()
+            asleep = False
+            await asyncio.to_thread(engine.wake_up)
+            # committed: a publish that fails (the engine restarting) loads it on demand later
+            await self._on_gateway(
+                lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),
+                                             project=model.project))
+            # from the end of the optimizer step until the new adapter serves requests
+            metrics["publish_seconds"] = time.perf_counter() - t_publish
+            metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
+            failpoint("published")
+            emit({"phase": "published", "step": step})
+            return metrics
+        finally:
+            if asleep:
+                with contextlib.suppress(EngineError):
+                    await asyncio.to_thread(engine.wake_up)
+            await self._on_gateway(self._resume)
+
     async def _resume(self) -> None:
         self.gateway.resume()
-
-    def _train_and_save(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                        config: TrainConfig, step: int) -> dict[str, float]:
-        """Train `step` from the latest checkpoint and commit checkpoint `step`; returns the
-        step's metrics (Trainer.step's, plus save_seconds). `groups` must be journaled as
-        `step` already: with train_processes > 1 the ranks read them from the journal."""
-        if self.train_processes > 1:
-            from art_core.train.distributed import run_distributed_step
-
-            self._drop_trainer(model)
-            # a failed rank raises RuntimeError: nothing committed, the journal kept for replay
-            return run_distributed_step(self._dir(model), step,
-                                        resolve_base_model(model.base_model),
-                                        model.config.lora, config, self.train_processes)
-        md = self._dir(model)
-        trainer = self._trainer(model)
-        metrics = trainer.step(groups, config)
-        t0 = time.perf_counter()
-        tmp = md.temp_checkpoint(step)
-        trainer.save_adapter(tmp)
-        md.commit_checkpoint(tmp, step)
-        metrics["save_seconds"] = time.perf_counter() - t0
-        trainer.save_optimizer(md.optimizer, checkpoint=step)
-        return {k: float(v) for k, v in metrics.items()}
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
                   split: str = "val") -> None:
@@ -344,6 +373,7 @@ class LocalBackend:
         if split == SPLIT_TRAIN:
             raise ValueError("train groups are logged by train(); use another split, e.g. 'val'")
         groups = check_groups(groups)
+        self._check_registered(model)
         step = await self.get_step(model)
         md = self._dir(model)
         self.loggers.log_step(StepRecord(model.project, model.name, step, split,
@@ -352,25 +382,40 @@ class LocalBackend:
 
     async def replay_interrupted(self, model: TrainableModel,
                                  config: TrainConfig | None = None) -> list[TrainResult]:
-        """Train again the journaled groups of steps that were interrupted (e.g. killed)."""
+        """Train again the journaled groups of steps that were interrupted (e.g. killed). A
+        journal that cannot be read any more is marked failed (kept, not replayed)."""
+        md = self._dir(model)
         results = []
-        for step in self._dir(model).interrupted_steps():
-            groups = self._dir(model).journaled(step)
+        for step in md.interrupted_steps():
+            try:
+                groups = md.journaled(step)
+                if groups:
+                    check_groups(groups)
+            except (ValueError, TypeError) as e:
+                md.mark_failed(step, f"the journal cannot be replayed: {e}")
+                log.warning("%s/%s: journaled step %d cannot be replayed (%s); marked failed",
+                            model.project, model.name, step, e)
+                continue
             if groups:
                 results.append(await self.train(model, groups, config))
         return results
 
     async def delete_checkpoints(self, model: TrainableModel,
                                  best_checkpoint_metric: str = "reward_mean") -> list[int]:
-        """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`."""
+        """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`.
+        They are unloaded from the engine first, then removed from disk."""
         md = self._dir(model)
+        if not md.path.is_dir():
+            raise ValueError(f"model {model.project}/{model.name} does not exist in {self.root}")
         lock = self._model_lock(model)
-        await asyncio.to_thread(lock.acquire)  # never block the loop: a train() may hold it
+        await acquire(lock)  # never while a step of this model is saving
         try:
-            deleted = md.delete_checkpoints(best_checkpoint_metric)
+            deleted = md.deletable_steps(best_checkpoint_metric)
+            await self._on_gateway(lambda: self.gateway.forget_checkpoints(model.name, deleted))
+            for step in deleted:
+                md.remove_checkpoint(step)
         finally:
             lock.release()
-        self.gateway.forget_checkpoints(model.name, deleted)
         return deleted
 
     def checkpoint_dir(self, model: TrainableModel, step: int) -> Path:

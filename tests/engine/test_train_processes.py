@@ -22,7 +22,7 @@ async def test_train_on_two_processes_through_vllm(backend, tiny_models):
     backend.train_processes = 2
     try:
         await model.register(backend)
-        assert ("tp", "tp2-llama") not in backend._trainers  # step 0 written, trainer freed
+        assert ("tp", "tp2-llama") not in backend.trainers.cached  # step 0 written, trainer freed
         groups = await gather_trajectory_groups(
             ([rollout(model, i) for i in range(4)] for _ in range(2)), show_progress=False)
         result = await model.train(groups, TrainConfig(learning_rate=1e-2))

@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_core import (
+    EngineConfig,
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+)
 from art_core.observe.base import Logger
 from art_core.observe.loggers import Loggers
 from art_core.trajectory import RolloutError
@@ -18,11 +25,18 @@ CONFIG = TrainConfig(learning_rate=1e-2, bf16=False)
 
 
 class StubEngine:
-    """Stands in for the vLLM engine: the backend's train path only sleeps, wakes and loads."""
+    """Stands in for the vLLM engine: registration and the backend's train path only start it,
+    ask what it runs with, sleep, wake, load and unload."""
 
     def __init__(self, served_name: str) -> None:
         self.served_name = served_name
         self.adapters: dict[str, Path] = {}
+        self.config = EngineConfig()
+        self.max_lora_rank = 8
+        self.state = "ready"
+        self.loads: list[str] = []
+
+    def start(self) -> None: ...
 
     def sleep(self) -> None: ...
 
@@ -30,7 +44,10 @@ class StubEngine:
 
     def stop(self) -> None: ...
 
+    def check_merged_owner(self, model_name: str) -> None: ...
+
     def load_adapter(self, name: str, path: Path) -> None:
+        self.loads.append(name)
         self.adapters[name] = Path(path)
 
     def unload_adapter(self, name: str) -> None:
@@ -44,19 +61,15 @@ async def make_backend(root: Path, base: Path, name: str = "agent", project: str
     # exactly the loggers given: a developer's WANDB_* / LANGFUSE_* must not reach the tests
     backend.loggers = Loggers(backend.root, loggers, from_env=False)
     model = TrainableModel(name=name, project=project, base_model=str(base))
-    backend._engines[model.base_model] = StubEngine(model.base_model)  # type: ignore[assignment]
-    md = backend._dir(model)
-    md.write_model_json({"name": name, "project": project, "base_model": model.base_model,
-                         "lora": model.config.lora.model_dump()})
-    tmp = md.temp_checkpoint(0)
-    backend._trainer(model).save_adapter(tmp)
-    md.commit_checkpoint(tmp, 0)
-    model._backend = backend  # what model.register does, minus starting an engine
+    engine = StubEngine(model.base_model)
+    backend._engines[model.base_model] = engine  # type: ignore[assignment]
+    backend.gateway.add_engine(engine)  # type: ignore[arg-type]
+    await model.register(backend)  # the real registration, on the stand-in engine
     return backend, model
 
 
 def tokenizer(backend: LocalBackend, model: TrainableModel) -> Any:
-    return backend._trainer(model).tokenizer
+    return backend.trainers.get(model).tokenizer
 
 
 def agent_trajectory(tok: Any, city: str, answer: str, reward: float, step: int,

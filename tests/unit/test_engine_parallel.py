@@ -74,9 +74,9 @@ def test_sizes_are_validated_as_config():
 ])
 def test_auto_dtype_is_float32_on_a_cpu_without_bf16(tiny_models, monkeypatch, dtype, cuda,
                                                      cpu_bf16, served):
-    from art_core.inference import engine as engine_mod
+    from art_core.inference import vllm_args
 
-    monkeypatch.setattr(engine_mod, "cpu_supports_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(vllm_args, "cpu_supports_bf16", lambda: cpu_bf16)
     engine = VLLMEngine(str(tiny_models["llama"]), served_name="m",
                         config=EngineConfig(dtype=dtype), cuda=cuda)
     assert engine.dtype == served

@@ -42,12 +42,12 @@ async def test_resolve_errors(tmp_path, requested, status, needle):
 
 async def test_pause_waits_for_running_requests_then_holds_new_ones(tmp_path):
     gw = gateway_with_model(tmp_path)
-    gw._enter()  # a request in flight
+    gw.enter()  # a request in flight
     pause = asyncio.create_task(gw.pause())
     await asyncio.sleep(0.05)
     assert not pause.done(), "pause must wait for the running request"
-    waiting = asyncio.create_task(gw._wait_gate())
-    gw._exit()
+    waiting = asyncio.create_task(gw.wait_gate())
+    gw.exit()
     await asyncio.wait_for(pause, 1)
     await asyncio.sleep(0.05)
     assert gw.paused and not waiting.done(), "new requests wait while paused"
@@ -58,7 +58,7 @@ async def test_pause_waits_for_running_requests_then_holds_new_ones(tmp_path):
 async def test_pause_gives_up_waiting_after_the_drain_timeout(tmp_path):
     gw = gateway_with_model(tmp_path)
     gw.drain_timeout_s = 0.1
-    gw._enter()  # a request whose client vanished and never finishes
+    gw.enter()  # a request whose client vanished and never finishes
     await asyncio.wait_for(gw.pause(), 1)
     assert gw.paused and gw.in_flight == 1
 
@@ -68,7 +68,7 @@ async def test_gate_timeout_is_a_clear_503(tmp_path):
     gw.gate_timeout_s = 0.05
     await gw.pause()
     with pytest.raises(GatewayError) as e:
-        await gw._wait_gate()
+        await gw.wait_gate()
     assert e.value.status == 503 and "training" in e.value.message
 
 

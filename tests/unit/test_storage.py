@@ -47,6 +47,13 @@ def test_journal_and_interrupted_steps(tmp_path):
     assert md.journaled(5) is None
 
 
+def delete(md: ModelDir, metric: str = "reward_mean") -> list[int]:
+    deleted = md.deletable_steps(metric)
+    for step in deleted:
+        md.remove_checkpoint(step)
+    return deleted
+
+
 @pytest.mark.parametrize(
     ("rewards", "kept"),
     [
@@ -59,7 +66,7 @@ def test_journal_and_interrupted_steps(tmp_path):
 )
 def test_delete_checkpoints_keeps_latest_and_best(tmp_path, rewards, kept):
     md = make_dir(tmp_path, rewards=rewards)
-    deleted = md.delete_checkpoints("reward_mean")
+    deleted = delete(md)
     assert set(md.steps()) == kept
     assert set(deleted) == {0, 1, 2, 3} - kept
 
@@ -81,7 +88,7 @@ def test_a_torn_history_line_loses_only_itself(tmp_path, caplog):
     md.append_history({"step": 3, "reward_mean": 0.2})
     assert [r["step"] for r in md.read_history()] == [1, 2, 3]
     assert "is not a complete JSON line" in caplog.text
-    assert md.delete_checkpoints("reward_mean") == [1, 2]  # best (step 1 -> checkpoint 0) kept
+    assert delete(md) == [1, 2]  # best (step 1 -> checkpoint 0) kept
 
 
 @pytest.mark.parametrize(("project", "name"), [("../x", "m"), ("p", "a/b"), ("p", "..")])

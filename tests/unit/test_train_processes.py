@@ -1,5 +1,5 @@
 """`LocalBackend(train_processes=N)` and `art serve --train-processes N`: the backend's training
-path (`_train_and_save`, which `train` calls once the groups are journaled and vLLM sleeps)
+path (`Trainers.train_and_save`, which `train` calls once the groups are journaled and vLLM sleeps)
 with N = 2 torchrun ranks on CPU (gloo), on a tiny model; no vLLM engine is started.
 
 - 2 ranks commit the checkpoint 1 process commits, with the same metric keys, and the
@@ -58,7 +58,7 @@ def train(backend: LocalBackend, model: TrainableModel, md: ModelDir, groups: li
           step: int) -> dict[str, float]:
     """What `LocalBackend.train` does around the trainer: journal first, then train."""
     md.journal_groups(step, groups)
-    return backend._train_and_save(model, groups, CONFIG, step)
+    return backend.trainers.train_and_save(model, groups, CONFIG, step)
 
 
 def diff(a: ModelDir, b: ModelDir, step: int) -> float:
@@ -74,7 +74,7 @@ def test_two_processes_commit_the_single_process_checkpoint(setup):
     want = [train(one, model, md_one, groups, step) for step in (1, 2)]
 
     two, model, md_two = new_backend(setup, "two", 2)
-    stale = two._trainer(model)  # an in-process trainer at step 0, as after register
+    stale = two.trainers.get(model)  # an in-process trainer at step 0, as after register
     got = train(two, model, md_two, groups, 1)  # torchrun, 2 ranks
     assert md_two.steps() == [0, 1]
     assert got.keys() == want[0].keys()  # what train() and the history read
@@ -85,7 +85,7 @@ def test_two_processes_commit_the_single_process_checkpoint(setup):
 
     two.train_processes = 1  # the next step in this process: from checkpoint 1, not the cache
     train(two, model, md_two, groups, 2)
-    assert two._trainer(model) is not stale
+    assert two.trainers.get(model) is not stale
     print(f"step 2, in process after the ranks: max |difference| = {diff(md_one, md_two, 2):.3g}")
     assert diff(md_one, md_two, 2) < TOL
     # the stale step-0 trainer would have written checkpoint 1 again as "2": that is far off
@@ -103,7 +103,7 @@ def test_failed_ranks_commit_nothing_and_keep_the_journal(setup, tmp_path):
     md.journal_groups(1, setup["groups"])
     journal = (md.journal / "0001.jsonl").read_bytes()
     with pytest.raises(RuntimeError, match="journal kept for replay"):
-        backend._train_and_save(model, setup["groups"], CONFIG, 1)
+        backend.trainers.train_and_save(model, setup["groups"], CONFIG, 1)
     assert md.steps() == [0]
     assert md.interrupted_steps() == [1]
     assert (md.journal / "0001.jsonl").read_bytes() == journal

@@ -20,20 +20,20 @@ def test_least_recently_used_trainer_is_dropped_then_reloaded_as_it_was(tiny_mod
     a, b, c = (TrainableModel(name=n, project="cache", base_model=str(tiny_models["llama"]),
                               config=ModelConfig(lora=LoraConfig(rank=4))) for n in "abc")
     config = TrainConfig(learning_rate=1e-2, bf16=False)
-    first = backend._trainer(a)
+    first = backend.trainers.get(a)
     group = make_group(first.tokenizer)
     for step in (1, 2):  # two steps, so that every LoRA parameter and moment is non-zero
-        backend._train_and_save(a, [group], config, step)
+        backend.trainers.train_and_save(a, [group], config, step)
     trained, trained_moments = lora_state(first), moments(first)
 
-    backend._trainer(b)
-    assert backend._trainer(a) is first  # used again: b is now the least recently used
-    backend._trainer(c)
-    assert list(backend._trainers) == [("cache", "a"), ("cache", "c")]
-    backend._trainer(b)  # drops a
-    assert ("cache", "a") not in backend._trainers and len(backend._trainers) == 2
+    backend.trainers.get(b)
+    assert backend.trainers.get(a) is first  # used again: b is now the least recently used
+    backend.trainers.get(c)
+    assert list(backend.trainers.cached) == [("cache", "a"), ("cache", "c")]
+    backend.trainers.get(b)  # drops a
+    assert ("cache", "a") not in backend.trainers.cached and len(backend.trainers.cached) == 2
 
-    again = backend._trainer(a)
+    again = backend.trainers.get(a)
     assert again is not first
     for name, value in trained.items():
         torch.testing.assert_close(lora_state(again)[name], value, msg=name)
