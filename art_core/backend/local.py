@@ -98,10 +98,9 @@ class LocalBackend:
         tens of seconds), which pays off only when the step itself dominates: several GPUs and
         large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
         self.root = Path(path).resolve()
-        self.train_processes = check_train_processes(train_processes)
         self.trainers = Trainers(self.root, _positive_int("trainers_in_memory",
                                                           trainers_in_memory),
-                                 self.train_processes)
+                                 check_train_processes(train_processes))
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
@@ -112,6 +111,14 @@ class LocalBackend:
         self._model_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
         self._steps: set[asyncio.Task[Any]] = set()  # running steps, whoever awaits them
+
+    @property
+    def train_processes(self) -> int:
+        return self.trainers.train_processes
+
+    @train_processes.setter
+    def train_processes(self, n: int) -> None:
+        self.trainers.train_processes = check_train_processes(n)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -305,13 +312,14 @@ class LocalBackend:
             md = self._dir(model)
             await asyncio.to_thread(md.check_writable, md.step_bytes())
             step = (md.latest_step() or 0) + 1
-            md.journal_groups(step, groups)  # before anything else: a crash loses no rollout
-            failpoint("journaled")
+            # before anything else: a crash loses no rollout (in a thread: it fsyncs)
+            await asyncio.to_thread(md.journal_groups, step, groups)
+            failpoint("journaled", step)
             emit({"phase": "journaled", "step": step, "groups": len(groups)})
             metrics = await self._train_published(model, groups, config, step, request_id,
                                                   emit)
             try:
-                md.append_history({"step": step, **metrics})
+                await asyncio.to_thread(md.append_history, {"step": step, **metrics})
             except OSError as e:  # the step is committed; its row is rebuilt at registration
                 log.warning("%s/%s step %d: history row not written (%s)", model.project,
                             model.name, step, e)
@@ -354,7 +362,7 @@ class LocalBackend:
             # from the end of the optimizer step until the new adapter serves requests
             metrics["publish_seconds"] = time.perf_counter() - t_publish
             metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
-            failpoint("published")
+            failpoint("published", step)
             emit({"phase": "published", "step": step})
             return metrics
         finally:

@@ -170,13 +170,20 @@ class RemoteBackend:
         bar = tqdm(total=len(TRAIN_PHASES), desc=f"train {model.name}", unit="phase",
                    disable=None if self.progress_bar is None else not self.progress_bar,
                    bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
-        attempts, reregistered = 0, False
+        attempts, reregistered, lost = 0, False, False
         deadline = time.monotonic() + self.retry_deadline_s
+        mine = (model.project, model.name) in self._registered
         try:
             while True:
                 try:
+                    if lost and mine and not reregistered:
+                        # the server may have restarted and forgotten the model (and the
+                        # step may be answered from disk without it): serve it again first
+                        await self._reregister(model)
+                        reregistered = True
                     return await self._train_once(model, content, bar, progress)
                 except _Retry as e:
+                    lost = True
                     attempts += 1
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -193,7 +200,7 @@ class RemoteBackend:
                 except RemoteBackendError as e:
                     if e.code != "model_not_registered" or reregistered:
                         raise
-                    if (model.project, model.name) not in self._registered:
+                    if not mine:
                         raise RemoteBackendError(
                             f"{e.message} (this client never registered "
                             f"{model.project}/{model.name}: await model.register(backend) "
@@ -204,6 +211,15 @@ class RemoteBackend:
                     await self.register(model)
         finally:
             bar.close()
+
+    async def _reregister(self, model: TrainableModel) -> None:
+        """`register` again, as a retryable step: a server that is not back yet is a _Retry."""
+        try:
+            await self.register(model)
+        except RemoteBackendError as e:
+            if e.status is None:  # unreachable: still restarting
+                raise _Retry(e.message) from None
+            raise
 
     async def _train_once(self, model: TrainableModel, content: bytes, bar: Any,
                           progress: Callable[[dict[str, Any]], None] | None) -> TrainResult:

@@ -121,7 +121,7 @@ class Trainers:
         trainer = self.get(model)
         try:
             metrics = {k: float(v) for k, v in trainer.step(groups, config).items()}
-            failpoint("trained")
+            failpoint("trained", step)
             t0 = time.perf_counter()
             tmp = md.temp_checkpoint(step)
             trainer.save_adapter(tmp)
@@ -129,7 +129,7 @@ class Trainers:
             metrics["save_seconds"] = time.perf_counter() - t0
             md.commit_checkpoint(tmp, step, {"kind": kind, "request_id": request_id,
                                              "metrics": metrics})
-            failpoint("committed")
+            failpoint("committed", step)
         except BaseException:
             # the optimizer step may have changed the weights in memory: forget them, so the
             # next step starts from the last committed checkpoint and its moments

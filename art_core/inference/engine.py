@@ -10,7 +10,7 @@
   0.1 s of vLLM), says so in `state` ("restarting") at once, restarts it and reloads every
   adapter whose directory still exists (one that fails is dropped and logged, never stops the
   others). `generation` counts successful starts, so a caller whose request failed can wait
-  for the restart (`wait_recovered`) and send it again.
+  for the restart (art_core/inference/upstream.py) and send it again.
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
   never reloaded in place (vLLM's prefix cache would go stale). `adapters` is what vLLM has.
   Unloading never waits for a restart in progress (the event loop calls it, through a thread).
@@ -264,20 +264,6 @@ class VLLMEngine:
                 break
             time.sleep(POLL_S)
         raise EngineError(f"vLLM is not running (state {self.state}).\n{self.log_tail()}")
-
-    def wait_recovered(self, since_generation: int, timeout: float) -> bool:
-        """After a request to generation `since_generation` failed: True once the engine
-        serves again (restarted since, or never down: /health answers), False if it stopped,
-        failed to start, or did not come back within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.state in ("stopped", "failed"):
-                return False
-            if self.state == "ready" and self.running and (
-                    self.generation > since_generation or self.healthy(timeout=1.0)):
-                return True
-            time.sleep(POLL_S)
-        return False
 
     def _kill(self) -> None:
         """Stop the watchdog's process group (vLLM and its children): SIGTERM, then SIGKILL."""

@@ -1,8 +1,7 @@
 """The gateway's calls to vLLM when vLLM fails: restart-aware retries and disconnects.
 
 - A request that fails because the engine died (a transport error, or vLLM's own 5xx saying
-  its engine core is dead) waits for the supervisor's restart (`VLLMEngine.wait_recovered`,
-  bounded) and is sent once more, to the new process. Sampling a completion again is safe: no
+  its engine core is dead) waits for the supervisor's restart (`wait_recovered`, bounded) and is sent once more, to the new process. Sampling a completion again is safe: no
   state on the engine's side changed. If the engine does not come back in time, the caller
   gets `EngineUnavailable`: a 503 with Retry-After and a message saying what happened.
 - A non-streamed request whose client has gone away is cancelled, which closes the upstream
@@ -17,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import httpx
 
-from art_core.inference.engine import VLLMEngine
+from art_core.inference.engine import POLL_S, VLLMEngine
 from art_core.protocol import error_body
 
 T = TypeVar("T")
@@ -50,11 +50,33 @@ def _engine_died(r: httpx.Response) -> bool:
     return r.status_code >= 500 and any(s in r.text for s in DEAD_ENGINE_SIGNS)
 
 
-async def _recover_or_raise(engine: VLLMEngine, generation: int, failure: str,
-                            wait_s: float, attempt: int) -> None:
+async def wait_recovered(client: httpx.AsyncClient, engine: VLLMEngine,
+                         since_generation: int, timeout: float) -> bool:
+    """After a request to generation `since_generation` failed: True once the engine serves
+    again (restarted since, or never down: /health answers), False if it stopped, failed to
+    start, or did not come back within `timeout` seconds. Polls with the gateway's own
+    client (a new one builds an SSL context: 20-200 ms of CPU per waiter) and holds no
+    thread."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.state in ("stopped", "failed"):
+            return False
+        if engine.state == "ready" and engine.running:
+            if engine.generation > since_generation:
+                return True
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.get(engine.base_url + "/health", timeout=1.0)
+                if r.status_code == 200:
+                    return True
+        await asyncio.sleep(POLL_S)
+    return False
+
+
+async def _recover_or_raise(client: httpx.AsyncClient, engine: VLLMEngine, generation: int,
+                            failure: str, wait_s: float, attempt: int) -> None:
     """Wait for the engine to serve again after `failure`; raise EngineUnavailable if this
     was already the retry or it does not come back within `wait_s`."""
-    if attempt == 0 and await asyncio.to_thread(engine.wait_recovered, generation, wait_s):
+    if attempt == 0 and await wait_recovered(client, engine, generation, wait_s):
         return
     what = "stopped" if engine.state in ("stopped", "failed") else (
         f"is restarting (restart {engine.restarts})" if engine.state != "ready" else
@@ -77,7 +99,7 @@ async def post(client: httpx.AsyncClient, engine: VLLMEngine, path: str, body: d
             if not _engine_died(r):
                 return r
             failure = f"vLLM answered {r.status_code}: {r.text[:200]}"
-        await _recover_or_raise(engine, generation, failure, wait_s, attempt)
+        await _recover_or_raise(client, engine, generation, failure, wait_s, attempt)
     raise AssertionError("unreachable")
 
 
@@ -99,7 +121,7 @@ async def open_stream(client: httpx.AsyncClient, engine: VLLMEngine, path: str,
             if not _engine_died(r):
                 return r
             failure = f"vLLM answered {r.status_code}: {r.text[:200]}"
-        await _recover_or_raise(engine, generation, failure, wait_s, attempt)
+        await _recover_or_raise(client, engine, generation, failure, wait_s, attempt)
     raise AssertionError("unreachable")
 
 

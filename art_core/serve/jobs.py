@@ -144,6 +144,8 @@ class TrainingJobs:
         try:
             answered = await asyncio.to_thread(self._answered, project, name, request_id)
             if answered is not None:  # trained before a restart: answer, do not train again
+                async with self._lock(project, name):  # no step of this model appending now
+                    await asyncio.to_thread(self._model_dir(project, name).repair_history)
                 job = self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
                                              status="done"), [answered])
             else:

@@ -109,15 +109,19 @@ async def test_register_rollout_train_serve_download(served, remote, model, tmp_
                                 TrainConfig(learning_rate=1e-3),
                                 progress=lambda e: phases.append(e["phase"]))
     assert result.step == 2 and phases == list(TRAIN_PHASES)
-    answered = [json.loads(line) for line in (served.root / "server" / "models" / model.name /
-                                              "requests.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in answered] == [1, 2]  # what a retry after a restart finds
+    md = served.root / "server" / "models" / model.name
+    records = [json.loads((md / "checkpoints" / f"{s:04d}" / "step.json").read_text())
+               for s in (1, 2)]  # what a retry after a restart finds: committed with the step
+    assert [r["step"] for r in records] == [1, 2] and all(r["request_id"] for r in records)
+    assert (md / "checkpoints" / "0002" / "optimizer.safetensors").exists()
+    assert not (md / "checkpoints" / "0001" / "optimizer.safetensors").exists()
 
     cps = await remote.list_checkpoints(model)
     assert [c.step for c in cps] == [0, 1, 2] and "reward_mean" in cps[1].metrics
     dest = await remote.download_checkpoint(model, 1, tmp_path / "step1")
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in
-                                                                    dest.iterdir()}
+    names = {p.name for p in dest.iterdir()}  # the peft adapter, not the training state
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    assert not names & {"optimizer.safetensors", "step.json"}
     src = served.root / "server" / "models" / model.name / "checkpoints" / "0001"
     assert (dest / "adapter_model.safetensors").read_bytes() == \
         (src / "adapter_model.safetensors").read_bytes()
@@ -169,6 +173,15 @@ BAD_FOR_THE_MODEL = [
     ("untrainable", {"groups": [{"trajectories": [trajectory_json(turns=False)]}]},
      "no sampled turn"),
     ("empty-groups", {"groups": []}, "non-empty list"),
+    # a sequence longer than the trainer's limit: refused before the journal, not after a
+    # 40 GB attention mask
+    ("too-long", {"groups": [{"trajectories": [
+        dict(trajectory_json(), turns=[dict(trajectory_json()["turns"][0],
+                                        prompt_token_ids=list(range(1, 40)))])]}],
+        "config": {"max_sequence_tokens": 16}},
+     "groups[0].trajectories[0] has a sequence of 41 tokens, longer than the trainer's limit"),
+    ("nan-reward", {"groups": [{"trajectories": [trajectory_json(reward=float("nan"))]}]},
+     "finite"),
 ]
 
 
@@ -179,7 +192,8 @@ async def test_bad_groups_for_a_registered_model(served, model, case, payload, n
     before = snapshot(served.root)
     async with httpx.AsyncClient() as c:
         r = await c.post(f"{served.url}/art/v1/models/server/{model.name}/train",
-                         json=payload, headers=auth())
+                         content=json.dumps(payload),  # allows NaN, which a client may send
+                         headers={**auth(), "Content-Type": "application/json"})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert snapshot(served.root) == before  # nothing journaled, no step started
 
@@ -247,6 +261,21 @@ async def test_retried_request_id_reattaches_instead_of_training_twice(served, r
     events = [json.loads(x) for x in r.text.splitlines()]
     assert events[0] == {**events[0], "event": "accepted", "job": job}
     assert events[-1]["event"] == "result" and events[-1]["step"] == before + 1
+    assert await remote.get_step(model) == before + 1
+
+
+@pytest.mark.engine
+async def test_one_request_id_posted_twice_at_once_trains_one_step(served, remote, model):
+    before = await remote.get_step(model)
+    group = await rollout_group(model)
+    body = {"groups": [group.model_dump(mode="json")], "config": {"learning_rate": 1e-3},
+            "request_id": "twice-" + secrets.token_hex(4)}
+    url = f"{served.url}/art/v1/models/server/{model.name}/train"
+    async with httpx.AsyncClient(timeout=120) as c:
+        answers = await asyncio.gather(*(c.post(url, json=body, headers=auth())
+                                         for _ in range(2)))
+    results = [[json.loads(x) for x in r.text.splitlines()][-1] for r in answers]
+    assert [r["step"] for r in results] == [before + 1, before + 1], results
     assert await remote.get_step(model) == before + 1
 
 

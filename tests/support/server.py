@@ -55,14 +55,16 @@ class Server:
 
 
 def start_server(root: Path, *, api_key: str | None = KEY, extra: tuple[str, ...] = (),
-                 python: str = sys.executable, timeout: float = 60.0) -> Server:
-    """`art serve` as a subprocess on a free loopback port; waits for /health."""
-    port = free_port()
+                 python: str = sys.executable, timeout: float = 60.0, port: int | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`art serve` as a subprocess on a loopback port (free, unless given); waits for
+    /health. `env`: more environment variables (e.g. ART_FAILPOINT)."""
+    port = port or free_port()
     log = root.parent / f"{root.name}-server-{port}.log"
-    env = {**os.environ, "ART_API_KEY": api_key or ""}
+    env = {**os.environ, "ART_API_KEY": api_key or "", **(env or {})}
     cmd = [python, "-m", "art_core.cli", "serve", "--path", str(root), "--port", str(port),
            "--max-body-mb", str(BODY_LIMIT_MB), "--shutdown-grace", "60", *extra]
-    with log.open("wb") as logf:
+    with log.open("ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL)
     server = Server(proc, f"http://127.0.0.1:{port}", root, log)
