@@ -12,10 +12,10 @@ test:
 	.venv/bin/python -m pytest -q
 	.venv/bin/mkdocs build --strict --quiet -d .venv/site
 
-# the fast set: no vLLM engine (tests/unit)
+# the fast set: no vLLM engine, no extra processes (tests/unit, without the `slow` ones)
 unit:
 	@bash scripts/setup.sh --dev
-	.venv/bin/python -m pytest -q tests/unit
+	.venv/bin/python -m pytest -q tests/unit -m "not slow"
 
 lint:
 	@bash scripts/setup.sh --dev

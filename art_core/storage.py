@@ -211,8 +211,12 @@ class ModelDir:
         p = self.journal / f"{step:04d}.jsonl"
         if not p.exists():
             return None
-        failed = self.journal / f"{step:04d}.failed.jsonl"
-        _write_durable(self.journal / f"{step:04d}.failed.json",
+        tag, n = "failed", 1
+        while (self.journal / f"{step:04d}.{tag}.jsonl").exists():  # an earlier failure: kept
+            n += 1
+            tag = f"failed-{n}"
+        failed = self.journal / f"{step:04d}.{tag}.jsonl"
+        _write_durable(self.journal / f"{step:04d}.{tag}.json",
                        json.dumps({"step": step, "reason": reason, "at": time.time()}).encode())
         p.replace(failed)
         return failed
@@ -220,7 +224,7 @@ class ModelDir:
     def failed_steps(self) -> dict[int, str]:
         """Steps marked failed, with why."""
         out = {}
-        for p in sorted(self.journal.glob("*.failed.json")) if self.journal.exists() else []:
+        for p in sorted(self.journal.glob("*.failed*.json")) if self.journal.exists() else []:
             try:
                 out[int(p.name.split(".")[0])] = json.loads(p.read_text()).get("reason", "")
             except (OSError, ValueError):

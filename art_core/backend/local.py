@@ -264,7 +264,15 @@ class LocalBackend:
                 )
                 self._engines[model.base_model] = engine
                 self.gateway.add_engine(engine)
-        engine.start()
+        try:
+            engine.start()
+        except BaseException:
+            if engine.state != "ready":  # a failed first start: a corrected config may retry
+                with self._lock:
+                    if self._engines.get(model.base_model) is engine:
+                        del self._engines[model.base_model]
+                        self.gateway.engines.pop(engine.served_name, None)
+            raise
         return engine
 
     async def get_step(self, model: TrainableModel) -> int:
@@ -354,7 +362,11 @@ class LocalBackend:
             emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
             t_publish = time.perf_counter()
             asleep = False
-            await asyncio.to_thread(engine.wake_up)
+            try:  # committed: the step stands even if vLLM does not wake (it restarts)
+                await asyncio.to_thread(engine.wake_up)
+            except EngineError as e:
+                log.warning("vLLM did not wake after step %d (%s); it serves again after its "
+                            "restart", step, str(e).splitlines()[0])
             # committed: a publish that fails (the engine restarting) loads it on demand later
             await self._on_gateway(
                 lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),

@@ -295,7 +295,10 @@ class VLLMEngine:
     def _post(self, route: str, body: dict | None = None, params: dict | None = None
               ) -> dict[str, Any]:
         """POST to vLLM; its JSON reply ({} if none), or `EngineError` with its message."""
-        r = httpx.post(self.base_url + route, json=body, params=params, timeout=120)
+        try:
+            r = httpx.post(self.base_url + route, json=body, params=params, timeout=120)
+        except httpx.HTTPError as e:
+            raise EngineError(f"vLLM {route} did not answer: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise EngineError(f"vLLM {route} failed ({r.status_code}): {r.text[:500]}")
         try:
@@ -385,7 +388,12 @@ class VLLMEngine:
             self._sleepers += 1
             first = self._sleepers == 1
         if first:
-            self._post("/sleep", params={"level": "1"})
+            try:
+                self._post("/sleep", params={"level": "1"})
+            except BaseException:
+                with self._adapters_lock:  # not asleep: no wake_up will match this one
+                    self._sleepers -= 1
+                raise
 
     def wake_up(self) -> None:
         if not (self.cuda and self.config.sleep_while_training):

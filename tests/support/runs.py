@@ -19,6 +19,7 @@ from art_core import (
 )
 from art_core.observe.base import Logger
 from art_core.observe.loggers import Loggers
+from art_core.storage import ModelDir
 from art_core.trajectory import RolloutError
 
 CONFIG = TrainConfig(learning_rate=1e-2, bf16=False)
@@ -133,3 +134,45 @@ async def train_steps(backend: LocalBackend, model: TrainableModel, steps: int =
         if val:
             await model.log(agent_groups(tok, result.step)[:1], split="val")
     return out
+
+
+# ---- probes of a run directory (the fault tests) --------------------------------------------
+
+def model_dir(backend: LocalBackend, model: TrainableModel) -> ModelDir:
+    return ModelDir(backend.root, model.project, model.name)
+
+
+def journal_files(md: ModelDir) -> list[str]:
+    return sorted(p.name for p in md.journal.iterdir()) if md.journal.exists() else []
+
+
+def temp_dirs(md: ModelDir) -> list[str]:
+    return [p.name for p in md.checkpoints.iterdir() if p.name.startswith(".tmp")]
+
+
+def groups_for(backend: LocalBackend, model: TrainableModel, step: int = 0
+               ) -> list[TrajectoryGroup]:
+    """One group with reward variance: the cheapest step that trains."""
+    return agent_groups(tokenizer(backend, model), step)[:1]
+
+
+def bare_backend(root: Path, base_model: str) -> tuple[LocalBackend, StubEngine]:
+    """A LocalBackend with a StubEngine for `base_model` and nothing registered yet."""
+    backend = LocalBackend(root)
+    backend.loggers = Loggers(backend.root, [], from_env=False)
+    engine = StubEngine(base_model)
+    backend._engines[base_model] = engine  # type: ignore[assignment]
+    backend.gateway.add_engine(engine)  # type: ignore[arg-type]
+    return backend, engine
+
+
+def contents(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (engine logs aside) and what it holds."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "logs" not in p.relative_to(root).parts}
+
+
+def adapter_tensors(checkpoint: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "adapter_model.safetensors"))

@@ -75,7 +75,7 @@ def test_prompts_and_reward_are_the_same_for_both_systems() -> None:
     assert bench.reward("") == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_trl_half_runs_in_the_tiniest_setting(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     env = dict(os.environ, ART_HOME=os.environ.get("ART_HOME", str(tmp_path)))

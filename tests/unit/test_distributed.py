@@ -70,6 +70,7 @@ def max_diff(saved: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     return max(diffs)
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ranks_train_the_single_process_adapter(setup, nproc):
     md = new_run(setup, f"n{nproc}", steps=2)
@@ -95,6 +96,7 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_only_rank_zero_writes_the_adapter(setup, tmp_path):
     proc = torchrun("save", str(tmp_path), setup["base"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,6 +104,7 @@ def test_only_rank_zero_writes_the_adapter(setup, tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_a_killed_rank_fails_the_step_and_keeps_the_journal(setup):
     md = new_run(setup, "killed", steps=1)
     journal = (md.journal / "0001.jsonl").read_bytes()

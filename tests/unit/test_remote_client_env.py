@@ -97,6 +97,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_remote_backend_from_a_base_install(base_venv, server, tmp_path):
     py = base_venv / "bin" / "python"
     proc = subprocess.run(
@@ -114,6 +115,7 @@ def test_remote_backend_from_a_base_install(base_venv, server, tmp_path):
     assert out["heavy_loaded"] == []
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_cli_in_a_base_install(base_venv, tmp_path):
     art = base_venv / "bin" / "art"
     proc = subprocess.run([str(art), "--help"], capture_output=True, text=True, timeout=60,

@@ -68,6 +68,7 @@ def diff(a: ModelDir, b: ModelDir, step: int) -> float:
     return max(float((left[k] - right[k]).abs().max()) for k in left)
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_two_processes_commit_the_single_process_checkpoint(setup):
     groups = setup["groups"]
     one, model, md_one = new_backend(setup, "one", 1)
@@ -94,6 +95,7 @@ def test_two_processes_commit_the_single_process_checkpoint(setup):
     assert max(float((step2[k] - step1[k]).abs().max()) for k in step1) > 100 * TOL
 
 
+@pytest.mark.slow  # starts processes: make test runs it, make unit does not
 def test_failed_ranks_commit_nothing_and_keep_the_journal(setup, tmp_path):
     broken = tmp_path / "broken-base"
     shutil.copytree(setup["base"], broken)
