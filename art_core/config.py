@@ -46,6 +46,16 @@ class EngineConfig(_Strict):
         "template ignores tools (SmolLM2). None disables tool-call parsing."))
     chat_template: str | None = Field(None, description=(
         "Path to a Jinja chat template overriding the model's own; None keeps the model's."))
+    splice_turns: bool = Field(True, description=(
+        "Token in, token out: a chat that continues an answer the gateway gave is sent to vLLM "
+        "as the earlier prompt's ids + the sampled ids + the rendering of only the new "
+        "messages, so the model is conditioned on what it sampled and a multi-turn agent "
+        "trains as one sequence (ARCHITECTURE invariant 1). Off: vLLM re-renders every turn."))
+    default_max_tokens: int | None = Field(1024, ge=1, description=(
+        "Generation cap the gateway applies to a request that sets no max_tokens. Most agent "
+        "graphs set none, and a small model can then ramble to the end of the context (minutes "
+        "per call on a CPU). None: no cap. A truncated turn has finish_reason 'length' and is "
+        "counted in the step metrics (`truncated_turns`)."))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
         "'auto' lets vLLM pick (bf16 on modern GPUs and on CPUs with AVX512-BF16 or AMX), except "
         "on a CPU without native bf16, where it means float32: there bf16 decodes ~2x slower."))

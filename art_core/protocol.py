@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 API_PREFIX = "/art/v1"
 """The control API of `art serve` (register, train, checkpoints, jobs)."""
@@ -31,6 +31,8 @@ TRAIN_PHASES = ("journaled", "paused", "trained", "published", "done")
 STEP = "art_step"
 STARTED_AT = "art_started_at"
 LATENCY_S = "art_latency_s"
+SPLICE = "art_splice"  # {"spliced": bool, "reason": str | None}: token in (inference/splice.py)
+CONSTRAINED_FROM = "art_constrained_from"  # per choice: first grammar-chosen token, or None
 
 
 # ---- sampled tokens --------------------------------------------------------------------------
@@ -47,6 +49,9 @@ class Sampled(TypedDict):
     finish_reason: str | None
     started_at: float | None
     latency_s: float | None
+    constrained_from: int | None
+    spliced: bool | None
+    splice_reason: str | None
 
 
 def logprob_list(choice: dict[str, Any], chat: bool = True) -> list[float]:
@@ -80,20 +85,24 @@ def read_response(data: dict[str, Any], choice: int = 0, chat: bool = True) -> S
         return None
     if not prompt or not tokens:
         return None
+    splice = data.get(SPLICE) or {}
     return Sampled(prompt_token_ids=list(prompt), completion_token_ids=list(tokens),
                    logprobs=logprob_list(ch, chat), step=data.get(STEP),
                    response_id=data.get("id"), finish_reason=ch.get("finish_reason"),
-                   started_at=data.get(STARTED_AT), latency_s=data.get(LATENCY_S))
+                   started_at=data.get(STARTED_AT), latency_s=data.get(LATENCY_S),
+                   constrained_from=ch.get(CONSTRAINED_FROM), spliced=splice.get("spliced"),
+                   splice_reason=splice.get("reason"))
 
 
 # ---- the ledger ------------------------------------------------------------------------------
 
 
-class LedgerChoice(TypedDict):
+class LedgerChoice(TypedDict, total=False):
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    constrained_from: int | None  # first token a tool-call grammar chose (tool_calls.py)
 
 
 class LedgerRecord(TypedDict):
@@ -108,6 +117,7 @@ class LedgerRecord(TypedDict):
     started_at: float | None
     latency_s: float | None
     choices: list[LedgerChoice]
+    splice: NotRequired[dict[str, Any] | None]  # {"spliced", "reason"} (inference/splice.py)
 
 
 def ledger_record(data: dict[str, Any], requested: str | None, chat: bool = True
@@ -116,10 +126,11 @@ def ledger_record(data: dict[str, Any], requested: str | None, chat: bool = True
     return LedgerRecord(
         id=data["id"], model=requested, served=data.get("model") or "", step=data.get(STEP),
         prompt_token_ids=data.get("prompt_token_ids"), started_at=data.get(STARTED_AT),
-        latency_s=data.get(LATENCY_S),
+        latency_s=data.get(LATENCY_S), splice=data.get(SPLICE),
         choices=[LedgerChoice(index=c.get("index", i), token_ids=c.get("token_ids") or [],
                               logprobs=logprob_list(c, chat),
-                              finish_reason=c.get("finish_reason"))
+                              finish_reason=c.get("finish_reason"),
+                              constrained_from=c.get(CONSTRAINED_FROM))
                  for i, c in enumerate(data.get("choices") or [])])
 
 
@@ -135,7 +146,9 @@ def read_record(rec: dict[str, Any], choice: int = 0) -> Sampled | None:
                    completion_token_ids=list(ch["token_ids"]), logprobs=list(ch["logprobs"]),
                    step=rec.get("step"), response_id=rec.get("id"),
                    finish_reason=ch.get("finish_reason"), started_at=rec.get("started_at"),
-                   latency_s=rec.get("latency_s"))
+                   latency_s=rec.get("latency_s"), constrained_from=ch.get("constrained_from"),
+                   spliced=(rec.get("splice") or {}).get("spliced"),
+                   splice_reason=(rec.get("splice") or {}).get("reason"))
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -53,6 +53,13 @@ class SampledTurn(BaseModel):
         default=None, description="Unix time the gateway received the request (observability).")
     latency_s: float | None = Field(
         default=None, description="Seconds from request to complete response, at the gateway.")
+    constrained_from: int | None = Field(default=None, ge=0, description=(
+        "First completion token chosen under a tool-call grammar: its sampling logprob is of "
+        "the masked distribution, not the model's, so the trainer uses its own (ratio 1)."))
+    spliced: bool | None = Field(default=None, description=(
+        "The prompt was the earlier turn's ids + sampled ids + the new messages (token in)."))
+    splice_reason: str | None = Field(default=None, description=(
+        "Why a continued conversation was re-rendered instead (e.g. 'unknown_prior_turn')."))
 
     @model_validator(mode="after")
     def _lengths_match(self) -> SampledTurn:

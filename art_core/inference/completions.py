@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from art_core.inference import upstream
 from art_core.inference.ledger import accumulate, new_stream, record_of_stream
+from art_core.inference.splice import SPLICE, Plan, Splicer, chat_response, completions_body
 from art_core.inference.tool_calls import ToolCallError, plan_tools, stream_chunks
 from art_core.protocol import error_body, extend_response, ledger_record
 
@@ -46,6 +48,7 @@ class Gateway(Protocol):
 
     client: httpx.AsyncClient
     ledger: Ledger
+    splicer: Splicer
     restart_wait_s: float
 
     async def wait_gate(self) -> None: ...
@@ -110,27 +113,44 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
         try:
             route = await gw.resolve(requested)
             up = dict(body, model=route.upstream, return_token_ids=True)
+            capped = _apply_default_cap(up, route.engine.config.default_max_tokens)
             if chat:
                 up["logprobs"] = True
             elif not isinstance(body.get("logprobs"), int):
                 up["logprobs"] = 0  # sampled-token logprobs only
+            # token in, token out: a continued chat goes to vLLM as ids (splice.py)
+            turn = await gw.splicer.plan(route.engine, body) if chat else Plan()
             if plan is not None:
                 up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
-            elif body.get("stream"):
+            elif body.get("stream") and not turn.spliced:
                 response, handed_off = await _stream(gw, route, path, up, requested, chat,
-                                                     started_at)
+                                                     started_at, body, turn, capped)
                 return response
+            target = path
+            if turn.spliced:
+                assert turn.prompt_ids is not None
+                up, target = completions_body(up, turn.prompt_ids), "/v1/completions"
             r = await upstream.unless_disconnected(
                 request.receive,
-                upstream.post(gw.client, route.engine, path, up, gw.restart_wait_s))
+                upstream.post(gw.client, route.engine, target, up, gw.restart_wait_s))
             if r.status_code >= 400:
                 return Response(r.content, status_code=r.status_code,
                                 media_type="application/json")
             data = r.json()
+            if turn.spliced:
+                assert turn.prompt_ids is not None
+                parse = plan is None and bool(body.get("tools")) and \
+                    body.get("tool_choice") != "none"
+                data = chat_response(data, turn.prompt_ids, parse, _top_logprobs(body))
             if plan is not None:
                 data = plan.convert(data)
             extend_response(data, served=route.public, step=route.step,
                             started_at=started_at, latency_s=time.time() - started_at)
+            if chat:
+                data[SPLICE] = {"spliced": turn.spliced, "reason": turn.reason}
+                gw.splicer.remember(route.engine, body, data)
+            if capped:
+                _warn_truncated(route, data)
             gw.ledger.add(ledger_record(data, requested, chat))
             if body.get("stream"):  # strict tools, streamed: the finished response, chunked
                 return _sse(stream_chunks(data, _include_usage(body)))
@@ -150,7 +170,8 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
 
 
 async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
-                  requested: str, chat: bool, started_at: float) -> tuple[Response, bool]:
+                  requested: str, chat: bool, started_at: float, body: dict[str, Any],
+                  turn: Plan, capped: bool) -> tuple[Response, bool]:
     """Relay vLLM's SSE stream, recording tokens as they pass. Returns (response, whether
     the in-flight slot was handed to the stream, which releases it when it ends)."""
     opened = await upstream.open_stream(gw.client, route.engine, path, up, gw.restart_wait_s)
@@ -178,8 +199,17 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                         line = "data: " + json.dumps(chunk, separators=(",", ":"))
                 yield (line + "\n\n").encode()
             if acc["id"] is not None:
-                gw.ledger.add(record_of_stream(acc, requested, route.public, route.step,
-                                               started_at, time.time() - started_at))
+                rec = record_of_stream(acc, requested, route.public, route.step,
+                                       started_at, time.time() - started_at)
+                if chat:
+                    rec["splice"] = {"spliced": False, "reason": turn.reason}
+                    gw.splicer.remember(route.engine, body, {
+                        "prompt_token_ids": rec["prompt_token_ids"],
+                        "choices": [{"token_ids": c["token_ids"], "message": acc["messages"][
+                            c["index"]]} for c in rec["choices"]]})
+                if capped:
+                    _warn_truncated(route, {"choices": rec["choices"]})
+                gw.ledger.add(rec)
         except httpx.HTTPError as e:  # vLLM died mid-stream: say so, do not just stop
             yield upstream.sse_error(503, f"the inference engine of {route.engine.served_name!r}"
                                      f" stopped in the middle of this response ({type(e).__name__})"
@@ -201,3 +231,34 @@ def _include_usage(body: dict[str, Any]) -> bool:
 def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
     lines = [f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks]
     return StreamingResponse(iter([*lines, "data: [DONE]\n\n"]), media_type="text/event-stream")
+
+
+def _apply_default_cap(up: dict[str, Any], cap: int | None) -> bool:
+    """Give a request that sets no generation cap the engine's default; True if it did."""
+    if cap is None or up.get("max_tokens") is not None or \
+            up.get("max_completion_tokens") is not None:
+        return False
+    up["max_tokens"] = cap
+    return True
+
+
+_warned_cap: set[str] = set()
+
+
+def _warn_truncated(route: Route, data: dict[str, Any]) -> None:
+    """Warn once per engine when the default cap (not the client's own) cut an answer."""
+    name = route.engine.served_name
+    if name in _warned_cap:
+        return
+    if any(c.get("finish_reason") == "length" for c in data.get("choices") or []):
+        _warned_cap.add(name)
+        logging.getLogger(__name__).warning(
+            "an answer of %s was cut at EngineConfig.default_max_tokens=%s because the request "
+            "set no max_tokens; set max_tokens on the request or raise the default (the step "
+            "metrics count such turns as truncated_turns)", route.public,
+            route.engine.config.default_max_tokens)
+
+
+def _top_logprobs(body: dict[str, Any]) -> int:
+    top = body.get("top_logprobs")
+    return top if isinstance(top, int) and top > 0 else 0

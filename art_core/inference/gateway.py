@@ -10,7 +10,9 @@ For every request it (art_core/inference/completions.py)
    drops unknown fields (langchain-openai), and returns them as extra fields in the response.
    A streamed chat response also carries its id in each choice's `delta`, because clients that
    merge deltas into a message (langchain-openai) keep nothing else of the response id;
-5. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
+5. sends a chat that continues one of its answers as token ids: the earlier prompt, what was
+   sampled, and the rendering of only the new messages (art_core/inference/splice.py);
+6. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
    grammar of the hermes call form and returns them as `tool_calls`
    (art_core/inference/tool_calls.py).
 
@@ -39,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from art_core.inference.completions import GatewayError, completion, openai_error
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.ledger import Ledger
+from art_core.inference.splice import Splicer
 from art_core.inference.upstream import RETRY_AFTER_S
 from art_core.protocol import LEDGER_PATH
 
@@ -77,6 +80,7 @@ class Gateway:
         self.engines: dict[str, VLLMEngine] = {}
         self.models: dict[str, ServedModel] = {}
         self.ledger = Ledger(ledger_size)
+        self.splicer = Splicer(ledger_size)
         self.gate_timeout_s = gate_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.restart_wait_s = restart_wait_s
@@ -129,6 +133,8 @@ class Gateway:
                         "request", name, step, str(e).splitlines()[0])
         served.latest = max(served.checkpoints)
         await asyncio.to_thread(self._unload_old, served)
+        if new and engine.config.splice_turns:  # the template check, warned once (splice.py)
+            await self.splicer.prepare(engine)
 
     async def forget_checkpoints(self, name: str, steps: list[int]) -> None:
         """Stop serving `steps` of `name` (before their directories are deleted)."""

@@ -34,7 +34,7 @@ class Ledger(OrderedDict[str, LedgerRecord]):
 
 def new_stream() -> dict[str, Any]:
     """The accumulator of one streamed response."""
-    return {"id": None, "prompt_token_ids": None, "choices": {}}
+    return {"id": None, "prompt_token_ids": None, "choices": {}, "messages": {}}
 
 
 def accumulate(acc: dict[str, Any], chunk: dict[str, Any], chat: bool) -> None:
@@ -49,6 +49,13 @@ def accumulate(acc: dict[str, Any], chunk: dict[str, Any], chat: bool) -> None:
         if c.get("prompt_token_ids") is not None:  # /v1/completions puts it per choice
             acc["prompt_token_ids"] = c["prompt_token_ids"]
         slot["finish_reason"] = c.get("finish_reason") or slot["finish_reason"]
+        delta = c.get("delta")
+        if chat and isinstance(delta, dict):  # what identifies the message (splice.py)
+            msg = acc["messages"].setdefault(c.get("index", 0), {"content": "", "tool_calls": []})
+            msg["content"] += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                if isinstance(tc, dict) and tc.get("id"):
+                    msg["tool_calls"].append({"id": tc["id"]})
 
 
 def record_of_stream(acc: dict[str, Any], requested: str | None, served: str, step: int | None,

@@ -32,7 +32,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from art_core.protocol import STEP
+from art_core.protocol import CONSTRAINED_FROM, STEP
 
 CALL_BEGIN = '<tool_call>\n{"name": "'
 CALL_END = "}\n</tool_call>"
@@ -78,18 +78,42 @@ class ToolPlan:
         return up
 
     def convert(self, data: dict[str, Any]) -> dict[str, Any]:
-        """Turn each choice whose text is complete calls into an OpenAI tool-call message."""
+        """Turn each choice whose text is complete calls into an OpenAI tool-call message, and
+        mark from which token the grammar chose (`CONSTRAINED_FROM`): those tokens' logprobs
+        are of the masked distribution, which the trainer must not use as the model's.
+
+        A forced call that did not complete (cut by max_tokens) never comes back as content:
+        the message is empty with finish_reason "length", an invalid action for the agent."""
         names = {name for name, _ in self.tools}
         for choice in data.get("choices") or []:
             msg = choice.get("message") or {}
-            parsed = parse_calls(msg.get("content") or "", names)
+            text = msg.get("content") or ""
+            parsed = parse_calls(text, names)
+            if self.forced:
+                choice[CONSTRAINED_FROM] = 0
+            elif "<tool_call>" in text:
+                choice[CONSTRAINED_FROM] = _token_at(choice, text.find("<tool_call>"))
             if parsed is None:
-                continue  # cut off (finish_reason "length") or no call: left as the text it is
+                if self.forced:
+                    msg["content"], msg["tool_calls"] = None, []
+                    choice["finish_reason"] = "length"
+                continue  # free text (auto with strict functions): left as it is
             content, calls = parsed
             msg["content"] = content
             msg["tool_calls"] = calls
             choice["finish_reason"] = "tool_calls"
         return data
+
+
+def _token_at(choice: dict[str, Any], char: int) -> int:
+    """Index of the sampled token that holds character `char` of the choice's text (from the
+    logprobs' token strings; 0 when they are missing)."""
+    seen = 0
+    for k, t in enumerate(((choice.get("logprobs") or {}).get("content")) or []):
+        seen += len(t.get("token") or "")
+        if seen > char:
+            return k
+    return 0
 
 
 def plan_tools(body: dict[str, Any]) -> ToolPlan | None:
@@ -127,12 +151,33 @@ def plan_tools(body: dict[str, Any]) -> ToolPlan | None:
             raise ToolCallError(f"function name {f['name']!r} must be 1-64 letters, digits, "
                                 "'_', '-', '.' or ':'", "tools")
     specs = tuple(
-        (f["name"], json.dumps(f.get("parameters") or {"type": "object"}, sort_keys=False)
+        (f["name"], json.dumps(cap_strings(f.get("parameters") or {"type": "object"}),
+                               sort_keys=False)
          if forced or f.get("strict") is True else '{"type": "object"}')
         for f in functions)
     for _, schema in specs:
         _arguments_format(schema)  # an unsupported schema is the client's 400, not vLLM's 500
     return ToolPlan(specs, forced, body.get("parallel_tool_calls") is True)
+
+
+STRING_CAP = 256
+"""maxLength the grammar gives a string argument whose schema sets none: without a bound a
+small model can ramble inside one string until max_tokens, and the call never closes."""
+
+
+def cap_strings(schema: Any, cap: int = STRING_CAP) -> Any:
+    """A copy of a JSON schema whose unbounded strings get `maxLength: cap`."""
+    if isinstance(schema, list):
+        return [cap_strings(s, cap) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: cap_strings(v, cap) if isinstance(v, dict | list) else v
+           for k, v in schema.items()}
+    kind = schema.get("type")
+    is_string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+    if is_string and not {"maxLength", "enum", "const", "pattern", "format"} & schema.keys():
+        out["maxLength"] = cap
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,6 +226,31 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, 
     if not calls or text[pos:].strip():
         return None
     return content, calls
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """Hermes tool calls in free text, read as vLLM's `hermes` parser reads them (content
+    before the first `<tool_call>`, each call's JSON, arguments re-serialised), for answers the
+    gateway turns into chat completions itself (art_core/inference/splice.py). None when the
+    text holds no call that parses."""
+    if "<tool_call>" not in text:
+        return None
+    calls: list[dict[str, Any]] = []
+    for m in _HERMES.finditer(text):
+        try:
+            call = json.loads((m.group(1) or m.group(2) or "").strip())
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        calls.append({"id": "chatcmpl-tool-" + secrets.token_hex(16), "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(
+                          call.get("arguments", {}), ensure_ascii=False)}})
+    content = text[: text.find("<tool_call>")]
+    return (content or None), calls
 
 
 def stream_chunks(data: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
