@@ -96,6 +96,7 @@ class Splicer:
     def __init__(self, size: int = 50_000) -> None:
         self.size = size
         self._served: OrderedDict[bytes, Served] = OrderedDict()
+        self._answers: OrderedDict[str, None] = OrderedDict()  # served answers alone: reasons
         self._tokenizers: dict[str, Any] = {}
         self._problems: dict[str, list[str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -150,11 +151,13 @@ class Splicer:
             if i in assistants and (served := self._served.get(h.digest())) is not None:
                 hits.append((i, served))
                 self._served.move_to_end(h.digest())
-        if not hits:
-            return self._count(Plan(reason="unknown_prior_turn"))
+        if not hits or hits[-1][0] != assistants[-1]:
+            # an answer we served, in a history that is not the one we served it in: the client
+            # edited, dropped or summarised; else the last assistant turn is the client's own
+            known = hits or message_key(messages[assistants[-1]]) in self._answers
+            return self._count(Plan(reason="rewritten_history" if known
+                                    else "unknown_prior_turn"))
         upto, served = hits[-1]
-        if upto != assistants[-1]:
-            return self._count(Plan(reason="rewritten_history"))
         await self.prepare(engine)
         tok = self._tokenizers[engine.served_name]
         if tok is None:
@@ -184,11 +187,15 @@ class Splicer:
             ids = choice.get("token_ids")
             if not ids:
                 continue
-            k = h.copy()
-            k.update(message_key({"role": "assistant", **(choice.get("message") or {})}).encode())
+            k, answer = h.copy(), message_key({"role": "assistant",
+                                               **(choice.get("message") or {})})
+            k.update(answer.encode())
             self._served[k.digest()] = Served(list(prompt), list(ids))
+            self._answers[answer] = None
             while len(self._served) > self.size:
                 self._served.popitem(last=False)
+            while len(self._answers) > self.size:
+                self._answers.popitem(last=False)
 
     def _count(self, plan: Plan) -> Plan:
         key = "spliced" if plan.spliced else (plan.reason or "first_turn")

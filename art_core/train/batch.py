@@ -20,7 +20,8 @@ Tensor convention (every [B, T] tensor from `collate` is aligned to TOKEN POSITI
 
     input_ids[b, t]     the t-th token of sequence b (pad_id after its end)
     loss_mask[b, t]     True exactly where token t was sampled by the engine (a completion token)
-    old_logprobs[b, t]  the engine's sampling logprob of token t where loss_mask is True, else 0
+    old_logprobs[b, t]  the engine's sampling logprob of token t where loss_mask is True, else 0;
+                        NaN where a tool-call grammar chose token t (the trainer's own is used)
     token_weights[b, t] the weight of token t in the loss (0 where loss_mask is False)
 
 A causal LM predicts token t from the logits at position t - 1, so the trainer computes the logprob
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from art_core.trajectory import History, Trajectory
+from art_core.trajectory import History, SampledTurn, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -179,17 +180,24 @@ def build_sequences(
     its prompt_token_ids start with the current sequence's full token ids (previous prompt +
     previous completion): the new prompt tokens (tool results, the next user message, template
     glue) join as context (mask 0) and its completion as trained tokens (mask 1). Otherwise the
-    current sequence is closed and a new one starts from this turn's full prompt. Histories without
-    sampled turns inside a trainable trajectory are context only and produce nothing.
+    current sequence is closed and a new one starts from this turn's full prompt (a split; the
+    gateway splices turns so that this happens only where the client rewrote its history).
+    Histories without sampled turns inside a trainable trajectory are context only and produce
+    nothing. Tokens chosen under a tool-call grammar get old logprob NaN (`_sampler_logprobs`).
 
     A trajectory with no sampled turn at all raises ValueError, unless `retokenize` is given: then
     every history goes through it and the sequences are marked `retokenized`.
     """
+    return _build(trajectory, advantage, traj_index, retokenize)[0]
+
+
+def _build(trajectory: Trajectory, advantage: float, traj_index: int,
+           retokenize: Retokenize | None) -> tuple[list[Sequence], list[_HistoryBuild]]:
     if trajectory.trainable:
-        sequences: list[Sequence] = []
-        for history in trajectory.histories():
-            sequences.extend(_history_sequences(history, advantage, traj_index))
-        return sequences
+        builds = [_history_sequences(history, advantage, traj_index)
+                  for history in trajectory.histories()]
+        builds = [b for b in builds if b.sequences]
+        return [s for b in builds for s in b.sequences], builds
 
     if retokenize is None:
         raise ValueError(
@@ -208,7 +216,7 @@ def build_sequences(
             f"trajectory {traj_index} ({_describe(trajectory)}) has no sampled turns and the "
             "re-tokenizing fallback produced no sequence from it"
         )
-    return sequences
+    return sequences, []
 
 
 def build_all_sequences(
@@ -218,17 +226,25 @@ def build_all_sequences(
 ) -> tuple[list[Sequence], dict[str, float]]:
     """`build_sequences` over every (trajectory, advantage); traj_index is the position in `scored`.
 
-    Metrics: `trajectories`, `sequences`, `trained_tokens`, `tokens`, `retokenized_trajectories`
-    and `frac_retokenized` (invariant 1: the fallback is never silent; it is also logged as a
-    warning).
+    Metrics: `trajectories_trained`, `sequences`, `trained_tokens`, `tokens`,
+    `retokenized_trajectories` and `frac_retokenized` (invariant 1: the fallback is never silent;
+    it is also logged as a warning); over the sampled histories: `sequences_per_history` (1.0
+    when every conversation trained as one sequence), `redundant_token_ratio` (tokens / unique
+    tokens: a split's new prompt states the conversation before it again, and those tokens are
+    not unique), `splits_<reason>` per reason a sequence split (`rewritten_history`,
+    `unknown_prior_turn`, `template_not_prefix`, ... from the gateway; `not_prefix` when the turn
+    carries no reason), `constrained_tokens` (trained with the trainer's own old logprob) and
+    `truncated_turns` (finish_reason "length").
     """
     sequences: list[Sequence] = []
+    builds: list[_HistoryBuild] = []
     n_trajectories = n_retokenized = 0
     for traj_index, (trajectory, advantage) in enumerate(scored):
         n_trajectories += 1
-        built = build_sequences(trajectory, advantage, traj_index, retokenize=retokenize)
+        built, histories = _build(trajectory, advantage, traj_index, retokenize)
         n_retokenized += any(s.retokenized for s in built)
         sequences.extend(built)
+        builds.extend(histories)
     if n_retokenized:
         log.warning(
             "%d of %d trajectories had no sampled tokens and were re-rendered through the chat "
@@ -236,27 +252,56 @@ def build_all_sequences(
             n_retokenized,
             n_trajectories,
         )
+    tokens = sum(len(s) for s in sequences)
+    redundant = sum(b.redundant_tokens for b in builds)
     metrics: dict[str, float] = {
-        "trajectories": n_trajectories,
+        "trajectories_trained": n_trajectories,
         "sequences": len(sequences),
         "trained_tokens": sum(s.num_trained_tokens for s in sequences),
-        "tokens": sum(len(s) for s in sequences),
+        "tokens": tokens,
         "retokenized_trajectories": n_retokenized,
         "frac_retokenized": n_retokenized / n_trajectories if n_trajectories else 0.0,
+        "sequences_per_history": (sum(len(b.sequences) for b in builds) / len(builds)
+                                  if builds else 0.0),
+        "redundant_token_ratio": tokens / (tokens - redundant) if tokens > redundant else 0.0,
+        "constrained_tokens": sum(b.constrained_tokens for b in builds),
+        "truncated_turns": sum(b.truncated_turns for b in builds),
     }
+    for b in builds:
+        for reason in b.splits:
+            metrics[f"splits_{reason}"] = metrics.get(f"splits_{reason}", 0) + 1
     return sequences, metrics
 
 
-def _history_sequences(history: History, advantage: float, traj_index: int) -> list[Sequence]:
+@dataclass
+class _HistoryBuild:
+    """What `_history_sequences` found in one history, for the step's metrics."""
+
+    sequences: list[Sequence]
+    splits: list[str]  # one reason per sequence after the first
+    redundant_tokens: int  # tokens of a sequence that the next one's prompt states again
+    constrained_tokens: int
+    truncated_turns: int
+
+
+def _split_reason(turn: SampledTurn) -> str:
+    """Why `turn` did not extend the sequence before it (a metric key after "splits_")."""
+    if turn.spliced:
+        return "splice_mismatch"  # token in, yet not a prefix: a gateway bug, never expected
+    return turn.splice_reason or "not_prefix"  # not_prefix: recorded without the gateway's say
+
+
+def _history_sequences(history: History, advantage: float, traj_index: int) -> _HistoryBuild:
     """The prefix-extension rule of `build_sequences` for one history."""
-    done: list[Sequence] = []
+    out = _HistoryBuild([], [], 0, 0, 0)
     tokens: list[int] = []
     mask: list[int] = []
     old: list[float] = []
 
     def close() -> None:
         if tokens:
-            done.append(Sequence(list(tokens), list(mask), list(old), advantage, traj_index))
+            out.sequences.append(Sequence(list(tokens), list(mask), list(old), advantage,
+                                          traj_index))
 
     for turn in sorted(history.turns, key=lambda t: t.message_index):
         prompt = turn.prompt_token_ids
@@ -269,6 +314,9 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> l
                     f"trajectory {traj_index}: the sampled turn of message {turn.message_index} "
                     "has an empty prompt_token_ids"
                 )
+            if tokens:  # a split: the new prompt re-states the conversation so far
+                out.splits.append(_split_reason(turn))
+                out.redundant_tokens += min(len(tokens), len(prompt))
             tokens, mask, old = [], [], []
             context = prompt
         tokens += context
@@ -276,9 +324,21 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> l
         old += [0.0] * len(context)
         tokens += turn.completion_token_ids
         mask += [1] * len(turn.completion_token_ids)
-        old += turn.logprobs
+        old += _sampler_logprobs(turn)
+        out.truncated_turns += turn.finish_reason == "length"
     close()
-    return done
+    out.constrained_tokens = sum(math.isnan(x) for s in out.sequences for x in s.old_logprobs)
+    return out
+
+
+def _sampler_logprobs(turn: SampledTurn) -> list[float]:
+    """The turn's sampling logprobs, NaN from `constrained_from` on: a grammar-chosen token's
+    logprob is of the masked, renormalised distribution (vLLM applies the mask before it reports
+    even raw logprobs), not the model's, so the trainer uses its own there (ratio 1)."""
+    k = turn.constrained_from
+    if k is None:
+        return list(turn.logprobs)
+    return list(turn.logprobs[:k]) + [math.nan] * (len(turn.logprobs) - k)
 
 
 def _coerce(item: Any, advantage: float, traj_index: int) -> Sequence:
@@ -397,6 +457,7 @@ def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
     attention_mask:   [B, T] long, 1 on real tokens, 0 on padding
     loss_mask:        [B, T] bool, True on sampled completion tokens only
     old_logprobs:     [B, T] float32, sampling logprob of token t where loss_mask, else 0
+                      (NaN: grammar-chosen, the trainer uses its own)
     token_weights:    [B, T] float32, Sequence.token_weight where loss_mask, else 0
     advantages:       [B]    float32
     traj_index:       [B]    long

@@ -21,6 +21,14 @@ The algorithm, for every trained token t of sequence b (mask[b, t] is True):
 
     loss = sum over b, t of token_weights[b, t] * loss_t
 
+What the ratio compares: `logp` is the trainer's logprob of the token under the model's own
+(unconstrained) distribution at the sampling temperature; `old` is the sampler's logprob of it,
+the same quantity as vLLM computed it. Where a tool-call grammar chose the token, vLLM reports
+the logprob of the masked, renormalised distribution (even in its raw-logprobs mode), which is
+not the model's: measured ratio 0.73 on a strict call at step 0. The trainer passes its own
+detached logprob as `old` there (ratio 1; art_core/train/batch.py marks those tokens NaN), so
+`ratio_mean` and `sampler_trainer_prob_diff` measure sampler/trainer drift on free tokens only.
+
 `token_weights` make every trajectory weigh the same however long it is
 (`trajectory_token_weights`): a 5000-token agent episode and a 50-token one move the policy
 equally. For gspo a sequence is one unit of weight, spread evenly over its tokens, which makes

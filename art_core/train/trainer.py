@@ -177,9 +177,11 @@ class Trainer:
                 if config.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref, _ = self._token_logprobs(batch, shifted, config)
-            # Rows re-rendered through the template have no sampler logprobs: ratio 1.
-            old = torch.where(batch["has_old_logprobs"][:, None], shifted["old_logprobs"],
-                              logp.detach())
+            # Rows re-rendered through the template have no sampler logprobs, and tokens a
+            # tool-call grammar chose (NaN) only the masked distribution's: ratio 1 on both.
+            sampler = shifted["old_logprobs"]  # [B, T-1]
+            known = batch["has_old_logprobs"][:, None] & ~torch.isnan(sampler)
+            old = torch.where(known, sampler, logp.detach())
             loss, m = grpo_loss(
                 logp, old, shifted["advantages"], mask, loss=config.loss,
                 epsilon_low=low, epsilon_high=high, ref_logprobs=ref,

@@ -210,7 +210,7 @@ def test_retokenize_fallback_is_counted_and_warned(caplog):
     assert seen == [untrained]  # only the trajectory without sampled turns goes through it
     assert metrics["retokenized_trajectories"] == 1
     assert metrics["frac_retokenized"] == 0.5
-    assert metrics["trajectories"] == 2 and metrics["sequences"] == 2
+    assert metrics["trajectories_trained"] == 2 and metrics["sequences"] == 2
     assert metrics["trained_tokens"] == 5 + 2 and metrics["tokens"] == 10 + 4
     fallback = sequences[1]
     assert fallback.retokenized and not fallback.has_old_logprobs

@@ -190,14 +190,17 @@ async def test_streaming_a_forced_call_arrives_whole(scripted):
     assert stream_chunks(vllm_reply("x"), False)[0]["choices"][0]["delta"]["id"] == "chatcmpl-1"
 
 
-async def test_cut_off_call_stays_text_and_errors_are_openai_400s(scripted):
+async def test_cut_off_forced_call_is_an_empty_answer_and_errors_are_openai_400s(scripted):
     gw, sent, replies = scripted
     replies.append(vllm_reply(CALL[:20], finish="length"))
     async with asgi_client(gw) as c:
         r = (await c.post("/chat/completions", json=body(model="base", tools=[LOOKUP],
                                                          tool_choice="required"))).json()
+        # half a call is neither text the agent should read nor a call: an invalid action
         assert r["choices"][0]["finish_reason"] == "length"
-        assert r["choices"][0]["message"]["content"] == CALL[:20]
+        assert r["choices"][0]["message"]["content"] is None
+        assert not r["choices"][0]["message"].get("tool_calls")
+        assert r["choices"][0]["art_constrained_from"] == 0  # every token grammar-chosen
         bad = await c.post("/chat/completions", json=body(
             model="base", tools=[LOOKUP], tool_choice={"type": "function",
                                                        "function": {"name": "nope"}}))

@@ -58,3 +58,24 @@ def test_checkpointing_keeps_one_embedding_hook_across_steps(trainer, settings):
         trainer.step([group], TrainConfig(learning_rate=1e-2, bf16=False,
                                           gradient_checkpointing=on))
         assert len(embeddings._forward_hooks) == int(on), (settings, on)
+
+
+def test_grammar_chosen_tokens_train_at_ratio_one_on_the_trainers_own_logprobs(trainer):
+    """A tool-call grammar's tokens carry the masked distribution's logprob (here a made-up
+    -2.0, far from the model's): the trainer uses its own there, so the ratio is 1 exactly,
+    the step is finite and the adapter still moves."""
+    config = TrainConfig(learning_rate=1e-2, bf16=False)
+    free = trainer.step([make_group(trainer.tokenizer)], config)
+    assert abs(free["ratio_mean"] - 1) > 0.05  # -2.0 is not the model's logprob
+
+    group = make_group(trainer.tokenizer)
+    for t in group.trajectories:
+        t.turns = [t.turns[0].model_copy(update={"constrained_from": 0})]
+    before = lora_state(trainer)
+    metrics = trainer.step([group], config)
+    assert metrics["constrained_tokens"] == metrics["trained_tokens"] > 0
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["sampler_trainer_prob_diff"] == pytest.approx(0.0, abs=1e-6)
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    after = lora_state(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
