@@ -298,6 +298,22 @@ def check_groups(groups: Any) -> list[TrajectoryGroup]:
     return groups
 
 
+def continues(turn: SampledTurn, previous: SampledTurn | None) -> bool:
+    """True when `turn`'s prompt starts with everything `previous` saw and sampled, so both
+    train as one sequence (art_core/train/batch.py); False marks a split."""
+    if previous is None:
+        return False
+    seen = previous.prompt_token_ids + previous.completion_token_ids
+    return turn.prompt_token_ids[: len(seen)] == seen
+
+
+def split_reason(turn: SampledTurn) -> str:
+    """Why `turn` did not continue the sequence before it (step metrics `splits_<reason>`)."""
+    if turn.spliced:
+        return "splice_mismatch"  # token in, yet not a prefix: a gateway bug, never expected
+    return turn.splice_reason or "not_prefix"  # not_prefix: recorded without the gateway's say
+
+
 def longest_sequence(trajectory: Trajectory) -> int:
     """Tokens of the longest sequence a trajectory trains as: a turn's prompt and completion
     (a later turn that extends an earlier one contains it)."""

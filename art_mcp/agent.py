@@ -237,6 +237,12 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
                 calls = _json_action(traj, message)
             else:
                 calls = message.get("tool_calls") or []
+            if not calls and cfg.action_format == "strict_tools":
+                # a forced call cut off at max_tokens comes back empty: an invalid action
+                m["invalid_actions"] = int(m.get("invalid_actions", 0)) + 1
+                traj.log(f"invalid action: the tool call did not finish within max_tokens="
+                         f"{cfg.max_tokens}")
+                break
             if not calls:  # a text reply: the final answer (in "json", an unfinished action)
                 m["final_answer"] = cfg.action_format != "json"
                 break

@@ -3,13 +3,17 @@
 1. parse and check the body (a 400 names what is wrong; a nested body too deep to decode is a
    400 too); plan strict tool calls (art_core/inference/tool_calls.py);
 2. wait at the gate while a training step runs, then count the request in flight;
-3. resolve the model name to an adapter of an engine;
-4. ask vLLM for the sampled tokens (`return_token_ids`, `logprobs`), through
+3. resolve the model name to an adapter of an engine; give a request without a generation cap
+   the engine's `default_max_tokens`;
+4. plan the splice (art_core/inference/splice.py): a chat that continues one this gateway served
+   goes to vLLM's `/v1/completions` as token ids (never streamed upstream: a streaming client
+   gets the finished answer in chunks) and comes back as a chat completion;
+5. ask vLLM for the sampled tokens (`return_token_ids`, `logprobs`), through
    art_core/inference/upstream.py: retried once across an engine restart, cancelled when the
    client goes away;
-5. record what was sampled in the ledger and answer with our extension fields
-   (`protocol.extend_response`); a streamed answer is relayed chunk by chunk and recorded at
-   its end, and ends with an error event if vLLM dies in the middle.
+6. record what was sampled in the ledger, remember it for the next turn's splice, and answer
+   with our extension fields (`protocol.extend_response`); a streamed answer is relayed chunk by
+   chunk and recorded at its end, and ends with an error event if vLLM dies in the middle.
 """
 
 from __future__ import annotations

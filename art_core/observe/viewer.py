@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from art_core.model import validate_name
 from art_core.storage import ModelDir, read_jsonl
-from art_core.trajectory import TrajectoryGroup
+from art_core.trajectory import TrajectoryGroup, continues, split_reason
 
 log = logging.getLogger(__name__)
 
@@ -194,18 +194,23 @@ def _history_view(h: Any, trained: bool) -> dict[str, Any]:
     """Messages with, per assistant message, whether it was sampled (and trained) and how."""
     turns = {t.message_index: t for t in h.turns}
     messages = []
+    previous = None
     for i, m in enumerate(h.messages):
         view = dict(m)
         turn = turns.get(i)
         if m.get("role") == "assistant":
+            split = turn is not None and previous is not None and not continues(turn, previous)
             view["_art"] = {
                 "sampled": turn is not None, "trained": trained and turn is not None,
+                # a new training sequence starts here, and why (None: it extends the one before)
+                "split": split_reason(turn) if split and turn else None,
                 "step": turn.step if turn else None,
                 "latency_s": turn.latency_s if turn else None,
                 "prompt_tokens": len(turn.prompt_token_ids) if turn else None,
                 "completion_tokens": len(turn.completion_token_ids) if turn else None,
                 "finish_reason": turn.finish_reason if turn else None,
             }
+            previous = turn or previous
         messages.append(view)
     return {"messages": messages, "tools": [t.get("function", {}).get("name") for t in
                                             h.tools or []]}

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from art_core.trajectory import History, SampledTurn, Trajectory
+from art_core.trajectory import History, SampledTurn, Trajectory, continues, split_reason
 
 log = logging.getLogger(__name__)
 
@@ -284,13 +284,6 @@ class _HistoryBuild:
     truncated_turns: int
 
 
-def _split_reason(turn: SampledTurn) -> str:
-    """Why `turn` did not extend the sequence before it (a metric key after "splits_")."""
-    if turn.spliced:
-        return "splice_mismatch"  # token in, yet not a prefix: a gateway bug, never expected
-    return turn.splice_reason or "not_prefix"  # not_prefix: recorded without the gateway's say
-
-
 def _history_sequences(history: History, advantage: float, traj_index: int) -> _HistoryBuild:
     """The prefix-extension rule of `build_sequences` for one history."""
     out = _HistoryBuild([], [], 0, 0, 0)
@@ -303,9 +296,10 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> _
             out.sequences.append(Sequence(list(tokens), list(mask), list(old), advantage,
                                           traj_index))
 
+    previous: SampledTurn | None = None
     for turn in sorted(history.turns, key=lambda t: t.message_index):
         prompt = turn.prompt_token_ids
-        if tokens and len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens:
+        if continues(turn, previous):  # `tokens` is previous's prompt + completion
             context = prompt[len(tokens) :]  # only what came after the previous completion
         else:
             close()
@@ -315,7 +309,7 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> _
                     "has an empty prompt_token_ids"
                 )
             if tokens:  # a split: the new prompt re-states the conversation so far
-                out.splits.append(_split_reason(turn))
+                out.splits.append(split_reason(turn))
                 out.redundant_tokens += min(len(tokens), len(prompt))
             tokens, mask, old = [], [], []
             context = prompt
@@ -326,6 +320,7 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> _
         mask += [1] * len(turn.completion_token_ids)
         old += _sampler_logprobs(turn)
         out.truncated_turns += turn.finish_reason == "length"
+        previous = turn
     close()
     out.constrained_tokens = sum(math.isnan(x) for s in out.sequences for x in s.old_logprobs)
     return out

@@ -199,3 +199,23 @@ def test_art_view_command_serves_the_run_and_refuses_a_missing_dir(run_dir: Path
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("second_prompt,split", [
+    pytest.param([1, 2, 3, 4, 5, 6], None, id="extends: one sequence"),
+    pytest.param([1, 2, 9, 6], "rewritten_history", id="rewritten: a new sequence"),
+])
+def test_the_view_marks_where_a_new_training_sequence_starts(second_prompt, split):
+    from art_core.observe.viewer import _history_view
+    from art_core.trajectory import SampledTurn, Trajectory
+
+    turns = [SampledTurn(message_index=1, prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5],
+                         logprobs=[-1.0, -1.0]),
+             SampledTurn(message_index=3, prompt_token_ids=second_prompt,
+                         completion_token_ids=[7], logprobs=[-1.0], spliced=False,
+                         splice_reason="rewritten_history")]
+    t = Trajectory(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}],
+                   turns=turns)
+    marks = [m["_art"]["split"] for m in _history_view(t, True)["messages"] if "_art" in m]
+    assert marks == [None, split]
