@@ -150,32 +150,63 @@ def complete_task_tool() -> dict[str, Any]:
 
 
 def _tighten(schema: Any, max_string: int | None) -> Any:
-    """A copy of a JSON schema with objects closed (no extra keys), titles dropped and free
-    strings capped, as strict structured outputs expect."""
+    """A copy of a JSON schema with objects closed (no extra keys unless `additionalProperties`
+    is itself a schema), title annotations dropped and free strings capped, as strict
+    structured outputs expect."""
     if isinstance(schema, list):
         return [_tighten(s, max_string) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _tighten(v, max_string) for k, v in schema.items() if k != "title"}
+    # a "title" annotation is a string; a property named "title" is a schema (kept)
+    out = {k: _tighten(v, max_string) for k, v in schema.items()
+           if not (k == "title" and isinstance(v, str))}
     if out.get("type") == "object":
         out.setdefault("properties", {})
-        out["additionalProperties"] = False
+        if not isinstance(out.get("additionalProperties"), dict):
+            out["additionalProperties"] = False
     if out.get("type") == "string" and max_string and not {"enum", "const", "maxLength"} & set(out):
         out["maxLength"] = max_string
     return out
 
 
+DEFS = ("$defs", "definitions")
+
+
+def _hoist_defs(params: dict[str, Any], prefix: str, into: dict[str, Any]) -> dict[str, Any]:
+    """Move a tool schema's local definitions into the action schema's root `$defs` (under
+    `prefix`), and point its `$ref`s there: nested under `anyOf[i].properties.arguments`, a
+    `#/$defs/X` would otherwise name the root, where X is not (xgrammar: "Cannot find field
+    $defs"). Remote `$ref`s are left as they are (the grammar does not follow them)."""
+    local = {f"#/{key}/{name}": f"#/$defs/{prefix}{name}"
+             for key in DEFS for name in (params.get(key) or {})}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: (local.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                for k, v in node.items()}
+
+    for key in DEFS:
+        for name, schema in (params.get(key) or {}).items():
+            into[f"{prefix}{name}"] = rewrite(schema)
+    return rewrite({k: v for k, v in params.items() if k not in DEFS})
+
+
 def action_schema(tools: list[dict[str, Any]], max_string: int | None = 100) -> dict[str, Any]:
-    """The json_schema of one action: `{"name": <tool>, "arguments": {...}}` for any tool."""
-    options = []
-    for t in tools:
+    """The json_schema of one action: `{"name": <tool>, "arguments": {...}}` for any tool.
+    Each tool's `$defs` are carried to the root (`_hoist_defs`)."""
+    options, defs = [], {}
+    for i, t in enumerate(tools):
         fn = t["function"]
         params = _tighten(copy.deepcopy(fn.get("parameters") or {"type": "object"}), max_string)
+        params = _hoist_defs(params, f"t{i}_", defs)
         options.append({"type": "object", "additionalProperties": False,
                         "properties": {"name": {"type": "string", "enum": [fn["name"]]},
                                        "arguments": params},
                         "required": ["name", "arguments"]})
-    return {"anyOf": options}
+    return {"anyOf": options, **({"$defs": defs} if defs else {})}
 
 
 class _Collect:
@@ -215,6 +246,8 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
     session.timeout_s, session.max_result_chars = cfg.tool_timeout_s, cfg.max_result_chars
     m = traj.metrics
     m.update(turns=0, tool_calls=0, tool_errors=0, completed=False, ran_out_of_turns=False)
+    if task_only := getattr(session, "task_only_tools", None):
+        m["tools_not_offered"] = len(task_only)  # they run only as tasks: see needs_task
     client = model.openai_client()
     request: dict[str, Any] = {"model": model_name or model.name, "max_tokens": cfg.max_tokens,
                                "temperature": cfg.temperature, "tools": traj.tools}

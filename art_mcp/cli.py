@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=8,
                    help="rollouts (and stdio server processes) at once (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="environment variable for the stdio server (repeatable): KEY passes "
+                   "this shell's value, KEY=VALUE sets one. The server gets only these and a "
+                   "safe default (PATH, HOME, ...), never the trainer's keys")
     p.add_argument("command", nargs="*", help="the command that starts a stdio server (after --)")
     return p
+
+
+def server_env(items: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`--env` items as a mapping; ValueError names a bad item or a KEY this shell lacks."""
+    environ = dict(os.environ) if environ is None else environ
+    env: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ValueError(f"--env {item!r}: expected KEY or KEY=VALUE with a variable name")
+        if not eq:
+            if key not in environ:
+                raise ValueError(f"--env {key}: not set in this environment")
+            value = environ[key]
+        env[key] = value
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                         ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    try:
+        args.server_env = server_env(args.env)
+    except ValueError as e:
+        p.error(str(e))
+    if args.server_env and args.url:
+        p.error("--env applies to a stdio server (a command after --), not to --url")
     args.worked_examples = []
     if args.examples:  # read once, here: a bad file is an error before anything starts
         from art_mcp.agent import WorkedExample
@@ -119,7 +146,8 @@ async def _run(args: argparse.Namespace) -> int:
 
     model = TrainableModel(name=args.name, project=args.project,
                            **({"base_model": args.base_model} if args.base_model else {}))
-    server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command)
+    server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command,
+                                                                    env=args.server_env)
     held_out: int | float = int(args.held_out) if args.held_out >= 1 else args.held_out
     judge_kwargs = {"api_base": args.judge_api_base} if args.judge_api_base else {}
     gen_kwargs = {"api_base": args.generator_api_base} if args.generator_api_base else {}

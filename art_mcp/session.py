@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -51,20 +50,49 @@ def openai_tool(tool: Any) -> dict[str, Any]:
 
 
 def result_text(result: Any) -> str:
-    """The text of a `CallToolResult`: text blocks joined; other blocks named, not dropped."""
-    parts = []
-    for block in getattr(result, "content", None) or []:
-        kind = getattr(block, "type", "")
-        if kind == "text":
-            parts.append(block.text)
-        elif kind == "resource" and hasattr(getattr(block, "resource", None), "text"):
-            parts.append(block.resource.text)
-        else:
-            mime = getattr(block, "mime_type", None) or getattr(block, "uri", None) or ""
-            parts.append(f"[{kind} content {mime}]".replace(" ]", "]"))
+    """The text of a `CallToolResult` as the model reads it: every block, with what the model
+    needs to act on it (a resource link's uri and name, an embedded resource's uri, mime type
+    and text, the size of binary data), never just its type."""
+    parts = [block_text(block) for block in getattr(result, "content", None) or []]
     if not parts and getattr(result, "structured_content", None) is not None:
         parts.append(json.dumps(result.structured_content))
     return "\n".join(parts)
+
+
+def block_text(block: Any) -> str:
+    """One content block of a tool result as text (see `result_text`)."""
+    kind = getattr(block, "type", "")
+    if kind == "text":
+        return block.text
+    if kind == "resource_link":
+        fields = [f"uri={block.uri}", f"name={block.name!r}"]
+        fields += [f"{k}={v!r}" for k in ("title", "description", "mime_type", "size")
+                   if (v := getattr(block, k, None)) is not None]
+        return f"[resource link: {', '.join(fields)}]"
+    if kind == "resource":
+        res = block.resource
+        head = f"[resource uri={res.uri}" + (f", mime_type={res.mime_type!r}"
+                                             if res.mime_type else "")
+        if getattr(res, "text", None) is not None:
+            return f"{head}]\n{res.text}"
+        return f"{head}, binary, {_decoded_size(res.blob)} bytes not shown]"
+    if kind in ("image", "audio"):
+        return (f"[{kind}, mime_type={block.mime_type!r}, {_decoded_size(block.data)} bytes "
+                "not shown]")
+    return f"[{kind or type(block).__name__} content not shown]"
+
+
+def _decoded_size(b64: str) -> int:
+    """Bytes of base64 data, without decoding it."""
+    b64 = b64.strip()
+    return max(0, len(b64) * 3 // 4 - b64[-2:].count("="))
+
+
+def needs_task(tool: Any) -> bool:
+    """True for a tool that runs only as a task (`execution.taskSupport == "required"`): our
+    client calls tools directly, so such a call always fails; it is not offered."""
+    execution = getattr(tool, "execution", None)
+    return getattr(execution, "task_support", None) == "required"
 
 
 def cut(text: str, limit: int | None) -> str:
@@ -100,6 +128,8 @@ class RecordingSession:
         self.max_result_chars = max_result_chars
         self.closed = False
         """True once a call found the server gone; later calls fail at once."""
+        self.task_only_tools: list[str] = []
+        """Tools `list_tools` left out because they run only as tasks (`needs_task`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)
@@ -116,6 +146,8 @@ class RecordingSession:
                 self.session.list_tools(params=PaginatedRequestParams(cursor=cursor)))
             tools.extend(page.tools)
             cursor = getattr(page, "next_cursor", None)
+        self.task_only_tools = [t.name for t in tools if needs_task(t)]
+        tools = [t for t in tools if not needs_task(t)]
         result = result.model_copy(update={"tools": tools, "next_cursor": None})
         recorder = current_recorder()
         if recorder is not None:
@@ -193,7 +225,11 @@ def _describe(e: BaseException, timeout: float | None) -> str:
 @dataclass
 class ServerSpec:
     """How to reach an MCP server: `command` (stdio; a process per connection) or `url`
-    (streamable HTTP; every connection shares that server's state)."""
+    (streamable HTTP; every connection shares that server's state).
+
+    A stdio server gets the MCP SDK's safe default environment (PATH, HOME, USER, ...: no
+    keys of the trainer's, such as WANDB_API_KEY or cloud credentials) plus `env`: name there
+    what the server needs."""
 
     command: Sequence[str] | None = None
     url: str | None = None
@@ -245,9 +281,13 @@ async def _open(server: ServerSpec, workdir: str | Path | None,
 
     async with contextlib.AsyncExitStack() as stack:
         if server.command is not None:
-            from mcp.client.stdio import StdioServerParameters, stdio_client
+            from mcp.client.stdio import (
+                StdioServerParameters,
+                get_default_environment,
+                stdio_client,
+            )
 
-            env = {**os.environ, **server.env}
+            env = {**get_default_environment(), **server.env}  # never the trainer's secrets
             errlog: Any = sys.stderr
             if workdir is not None:
                 Path(workdir).mkdir(parents=True, exist_ok=True)
