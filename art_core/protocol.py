@@ -187,6 +187,6 @@ def bind_refusal(host: str, api_key: str | None) -> str | None:
     if api_key or is_loopback_host(host):
         return None
     return (f"refusing to listen on {host!r} without an API key: anyone who can reach that "
-            "address could run inference, train models and download checkpoints. Set "
-            "--api-key (or the ART_API_KEY environment variable), or bind a loopback address "
-            "such as 127.0.0.1.")
+            "address could run inference, train models and download checkpoints. Set an API "
+            "key (art serve --api-key or the ART_API_KEY environment variable; "
+            "LocalBackend(api_key=...)), or bind a loopback address such as 127.0.0.1.")

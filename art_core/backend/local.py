@@ -83,8 +83,14 @@ class LocalBackend:
 
     def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
                  gateway: Gateway | None = None, loggers: list[Logger] | None = None,
-                 train_processes: int = 1, trainers_in_memory: int = 2) -> None:
-        """`loggers`: extra loggers besides the run directory and those the environment turns
+                 train_processes: int = 1, trainers_in_memory: int = 2,
+                 api_key: str | None = None, max_body_bytes: int | None = None) -> None:
+        """`host`, `port`, `api_key`, `max_body_bytes`: where the gateway listens, and its
+        guard (ARCHITECTURE invariant 8, as for `art serve`): a non-loopback `host` needs an
+        `api_key` (refused here, before anything starts), every request a body under the limit
+        (default 64 MiB); registered models' clients send the key.
+
+        `loggers`: extra loggers besides the run directory and those the environment turns
         on (W&B, Langfuse: see art_core.observe.loggers).
 
         `trainers_in_memory`: how many models keep their trainer (a copy of the base weights,
@@ -97,6 +103,11 @@ class LocalBackend:
         every step, each loading the base model and the latest checkpoint again (seconds to
         tens of seconds), which pays off only when the step itself dominates: several GPUs and
         large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
+        if gateway is None:
+            from art_core.serve.guard import check_bind
+
+            check_bind(host, api_key)  # before anything starts
+        self.api_key, self._max_body_bytes = api_key, max_body_bytes
         self.root = Path(path).resolve()
         self.trainers = Trainers(self.root, _positive_int("trainers_in_memory",
                                                           trainers_in_memory),
@@ -130,7 +141,11 @@ class LocalBackend:
 
     def _ensure_gateway(self) -> None:
         if self._server is None and not self._external_loop:
-            self._server = GatewayServer(self.gateway, self._host, self._port)
+            from art_core.serve.guard import DEFAULT_MAX_BODY_BYTES, guarded
+
+            app = guarded(self.gateway.app, host=self._host, api_key=self.api_key,
+                          max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+            self._server = GatewayServer(self.gateway, self._host, self._port, app=app)
             self._server.start()
 
     async def _on_gateway(self, fn: Any) -> Any:
@@ -195,7 +210,8 @@ class LocalBackend:
                     shutil.rmtree(md.path, ignore_errors=True)
             raise
         self._registered.add((model.project, model.name))
-        return Endpoint(base_url=self.base_url if self._server else "", api_key=None)
+        return Endpoint(base_url=self.base_url if self._server else "",
+                        api_key=self.api_key if self._server else None)
 
     def _register_sync(self, model: TrainableModel) -> None:
         md = self._dir(model)

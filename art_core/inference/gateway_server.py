@@ -21,10 +21,13 @@ T = TypeVar("T")
 class GatewayServer:
     """Runs a `Gateway` with uvicorn in a thread of its own, with its own event loop."""
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
+                 app: Any = None) -> None:
+        """`app`: what to serve instead of `gateway.app` (the gateway behind a guard)."""
         self.gateway = gateway
         self.host = host
         self.port = port
+        self.app = app or gateway.app
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -39,7 +42,7 @@ class GatewayServer:
         from art_core.host import free_port
 
         self.port = self.port or free_port()
-        config = uvicorn.Config(self.gateway.app, host=self.host, port=self.port,
+        config = uvicorn.Config(self.app, host=self.host, port=self.port,
                                 log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         started = threading.Event()

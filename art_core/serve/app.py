@@ -73,7 +73,7 @@ from art_core.backend.local import LocalBackend
 from art_core.inference.engine import EngineError
 from art_core.inference.gateway import Gateway
 from art_core.model import TrainableModel, validate_name
-from art_core.protocol import API_PREFIX, bind_refusal
+from art_core.protocol import API_PREFIX
 from art_core.serve.errors import (
     ApiError,
     BodyTooLarge,
@@ -81,7 +81,7 @@ from art_core.serve.errors import (
     size_text,
     validation_message,
 )
-from art_core.serve.guard import Guard
+from art_core.serve.guard import DEFAULT_MAX_BODY_BYTES, Guard, check_bind
 from art_core.serve.jobs import JOB_ID, TrainingJobs, TrainJob
 from art_core.serve.models import ModelOperations
 from art_core.storage import ModelDir
@@ -93,7 +93,6 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EA
                   errno.EPERM, errno.EIO}
 """OS errors of a full or unwritable disk: answered 507 with what the OS said."""
 
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -353,9 +352,7 @@ def build_server(root: str | Path, *, host: str = "127.0.0.1", port: int = 7999,
                  allow_engine_args: bool = False, train_processes: int = 1) -> _Server:
     """The uvicorn server for `art serve` (not started). Refuses an unsafe bind.
     `train_processes`: see `LocalBackend` (1: train in this process)."""
-    refusal = bind_refusal(host, api_key)
-    if refusal:
-        raise ValueError(refusal)
+    check_bind(host, api_key)
     art = ArtServer(root, api_key=api_key, max_body_bytes=max_body_bytes,
                     keepalive_s=keepalive_s, shutdown_grace_s=shutdown_grace_s,
                     base_models=base_models, allow_engine_args=allow_engine_args,

@@ -1,5 +1,5 @@
-"""The guard in front of every route of `art serve` (art_core/serve/app.py): API key, body size,
-last-resort errors.
+"""The guard in front of every route we serve over a socket (`art serve`, art_core/serve/app.py,
+and LocalBackend's gateway): API key, body size, last-resort errors.
 
 ARCHITECTURE invariant 8: with an API key every route but /health needs
 `Authorization: Bearer <key>` (compared in constant time); a body is capped (Content-Length
@@ -15,11 +15,30 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from art_core.protocol import bind_refusal
 from art_core.serve.errors import BodyTooLarge, error_response
 
 log = logging.getLogger("art_core.serve.app")
 
 PUBLIC_PATHS = frozenset({"/health"})
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Raise ValueError for a bind that invariant 8 refuses (non-loopback without a key): the
+    one check before any of our HTTP servers opens a socket (`art serve`, LocalBackend's
+    gateway)."""
+    refusal = bind_refusal(host, api_key)
+    if refusal:
+        raise ValueError(refusal)
+
+
+def guarded(app: ASGIApp, *, host: str, api_key: str | None,
+            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+    """`app` behind the `Guard`, after `check_bind`: what every socket we open serves."""
+    check_bind(host, api_key)
+    return Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
 class Guard:
