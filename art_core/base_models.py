@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,11 @@ def _smollm2_gguf() -> Path:
     return path
 
 
+STALE_CONVERSION_S = 3600.0
+"""A conversion directory this old is a leftover of a killed one (a conversion takes ~30 s);
+younger ones may be another process's conversion in progress."""
+
+
 def ensure_default_model(home: Path | None = None) -> Path:
     """Return the converted SmolLM2 directory, converting it on first use (~30 s, ~2 GB peak)."""
     target = (home or art_home()) / "models" / "SmolLM2-135M-Instruct"
@@ -99,6 +105,9 @@ def ensure_default_model(home: Path | None = None) -> Path:
         return target
     gguf = _smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(".tmp-smollm2-*"):  # a conversion killed midway
+        if time.time() - stale.stat().st_mtime > STALE_CONVERSION_S:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
     try:
         _convert_gguf(gguf, tmp)

@@ -39,18 +39,44 @@ class NotFound(Exception):
     """The URL names nothing in the run directory."""
 
 
-class RunView:
-    """Read-only queries on a run directory (the `path` of a LocalBackend)."""
+def locate(path: str | Path) -> tuple[Path, str | None, str | None]:
+    """(run directory, project, model name) for what a user may point at: a LocalBackend's
+    path, a project directory (`<path>/<project>`, which holds `models/`) or a model directory
+    (`<path>/<project>/models/<name>`, the one the demo prints). project/name are None when
+    the whole run is meant."""
+    p = Path(path).resolve()
+    if (p / "models").is_dir() and not (p / "history.jsonl").exists():
+        return p.parent, p.name, None
+    if p.parent.name == "models" and ((p / "checkpoints").is_dir() or (p / "model.json").exists()
+                                      or (p / "history.jsonl").exists()):
+        return p.parent.parent.parent, p.parent.parent.name, p.name
+    return p, None, None
 
-    def __init__(self, root: str | Path) -> None:
+
+class RunView:
+    """Read-only queries on a run directory (the `path` of a LocalBackend), or on one project
+    or model of it."""
+
+    def __init__(self, root: str | Path, project: str | None = None,
+                 name: str | None = None) -> None:
         self.root = Path(root).resolve()
+        self.only = (project, name)
 
     # ---- lookup ----------------------------------------------------------------------------
 
     def model_dirs(self) -> list[ModelDir]:
-        """Every model directory under the root: <project>/models/<name>/."""
+        """Every model directory under the root: <project>/models/<name>/ (never the base-model
+        cache of ART_HOME, which may sit inside a run directory: `.art/home`)."""
+        from art_core.base_models import art_home
+
+        cache = art_home().resolve()
+        project, name = self.only
         found = []
         for d in sorted(self.root.glob("*/models/*")):
+            if d.parent.parent.resolve() == cache or d.name.startswith("."):
+                continue
+            if (project and d.parent.parent.name != project) or (name and d.name != name):
+                continue
             if d.is_dir() and _inside(d, self.root):
                 try:
                     found.append(ModelDir(self.root, d.parent.parent.name, d.name))
@@ -283,10 +309,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(root: str | Path, port: int = 0) -> ThreadingHTTPServer:
     """A viewer server for `root` on 127.0.0.1:`port` (0: any free port); not yet serving."""
-    root = Path(root)
-    if not root.is_dir():
+    if not Path(root).is_dir():
         raise FileNotFoundError(f"run directory {root} does not exist")
-    handler = type("Handler", (_Handler,), {"view": RunView(root)})
+    handler = type("Handler", (_Handler,), {"view": RunView(*locate(root))})
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     return server

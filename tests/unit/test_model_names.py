@@ -67,3 +67,27 @@ def test_non_string_rejected(value):
 def test_inference_model_name_is_free_form():
     # a plain Model names a served model (e.g. "org/model"); it never becomes a path
     assert Model(name="Qwen/Qwen3-4B").name == "Qwen/Qwen3-4B"
+
+
+def test_a_killed_conversions_leftover_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from art_core import base_models
+
+    models = tmp_path / "models"
+    stale, fresh = models / ".tmp-smollm2-old", models / ".tmp-smollm2-running"
+    for d in (stale, fresh):
+        d.mkdir(parents=True)
+    old = time.time() - 2 * base_models.STALE_CONVERSION_S
+    os.utime(stale, (old, old))
+
+    def convert(gguf, out):  # the conversion itself is the slow part, not what is tested
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(base_models, "_convert_gguf", convert)
+    target = base_models.ensure_default_model(tmp_path)
+    assert (target / "config.json").exists()
+    assert not stale.exists() and fresh.exists()  # another process's may still be running
+    assert sorted(p.name for p in models.iterdir()) == [".tmp-smollm2-running", target.name]

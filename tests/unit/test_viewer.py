@@ -219,3 +219,23 @@ def test_the_view_marks_where_a_new_training_sequence_starts(second_prompt, spli
                    turns=turns)
     marks = [m["_art"]["split"] for m in _history_view(t, True)["messages"] if "_art" in m]
     assert marks == [None, split]
+
+
+def test_a_project_or_model_directory_opens_its_run_and_the_model_cache_is_never_listed(
+        run_dir: Path, monkeypatch, tmp_path) -> None:
+    from art_core.observe.viewer import RunView, locate
+
+    assert locate(run_dir) == (run_dir.resolve(), None, None)
+    assert locate(run_dir / "demo") == (run_dir.resolve(), "demo", None)
+    # the path the demo prints its checkpoints under
+    assert locate(run_dir / "demo" / "models" / "agent") == (run_dir.resolve(), "demo", "agent")
+    assert [m["name"] for m in RunView(*locate(run_dir / "demo" / "models" / "agent")).models()
+            ] == ["agent"]
+    # ART_HOME inside a run directory (.art/home): its converted base models are not a project
+    cache = tmp_path / "run"
+    cache.mkdir()
+    (cache / "home" / "models" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    (cache / "home" / "models" / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
+    (cache / "demo" / "models" / "agent").mkdir(parents=True)
+    monkeypatch.setenv("ART_HOME", str(cache / "home"))
+    assert [(m["project"], m["name"]) for m in RunView(cache).models()] == [("demo", "agent")]
