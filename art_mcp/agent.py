@@ -261,27 +261,24 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
         traj.tools = [{**t, "function": {**t["function"], "strict": True}} for t in traj.tools]
         request.update(tools=traj.tools, tool_choice="required")
     done = False
-    try:
-        while not done and m["turns"] < cfg.max_turns:
-            response = await client.chat.completions.create(messages=traj.messages, **request)
-            m["turns"] += 1
-            message = _append(traj, response)
-            if cfg.action_format == "json":
-                calls = _json_action(traj, message)
-            else:
-                calls = message.get("tool_calls") or []
-            if not calls and cfg.action_format == "strict_tools":
-                # a forced call cut off at max_tokens comes back empty: an invalid action
-                m["invalid_actions"] = int(m.get("invalid_actions", 0)) + 1
-                traj.log(f"invalid action: the tool call did not finish within max_tokens="
-                         f"{cfg.max_tokens}")
-                break
-            if not calls:  # a text reply: the final answer (in "json", an unfinished action)
-                m["final_answer"] = cfg.action_format != "json"
-                break
-            done = await _run_calls(traj, session, calls)
-    finally:
-        await client.close()
+    while not done and m["turns"] < cfg.max_turns:  # the client is shared: not closed here
+        response = await client.chat.completions.create(messages=traj.messages, **request)
+        m["turns"] += 1
+        message = _append(traj, response)
+        if cfg.action_format == "json":
+            calls = _json_action(traj, message)
+        else:
+            calls = message.get("tool_calls") or []
+        if not calls and cfg.action_format == "strict_tools":
+            # a forced call cut off at max_tokens comes back empty: an invalid action
+            m["invalid_actions"] = int(m.get("invalid_actions", 0)) + 1
+            traj.log(f"invalid action: the tool call did not finish within max_tokens="
+                     f"{cfg.max_tokens}")
+            break
+        if not calls:  # a text reply: the final answer (in "json", an unfinished action)
+            m["final_answer"] = cfg.action_format != "json"
+            break
+        done = await _run_calls(traj, session, calls)
     m["ran_out_of_turns"] = (not done and not m.get("final_answer")
                              and not m.get("invalid_actions") and m["turns"] >= cfg.max_turns)
     return traj

@@ -157,13 +157,9 @@ async def chat_rollout(model: Model, scenario: Scenario, system_prompt: str,
     traj = Trajectory(messages=[{"role": "system", "content": system_prompt},
                                 {"role": "user", "content": scenario.task}],
                       metadata={"scenario_id": scenario.id, "difficulty": scenario.difficulty})
-    client = model.openai_client()
-    try:
-        response = await client.chat.completions.create(
-            model=model.name, messages=traj.messages, max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature)
-    finally:
-        await client.close()
+    response = await model.openai_client().chat.completions.create(
+        model=model.name, messages=traj.messages, max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature)
     message = _append(traj, response)
     finish = response.choices[0].finish_reason
     traj.metrics.update(turns=1, completed=bool((message.get("content") or "").strip())

@@ -261,6 +261,18 @@ class RemoteBackend:
             raise _Retry(f"{type(e).__name__}: {e}") from e
         raise _Retry("the server closed the stream before the step's result")
 
+    async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                  split: str = "val") -> None:
+        """Record groups not trained on (e.g. validation) at the model's current step, on the
+        server (its run directory and loggers), as LocalBackend.log does."""
+        if split == "train":
+            raise ValueError("train groups are logged by train(); use another split, e.g. 'val'")
+        groups = check_groups(groups)
+        body = ('{"groups":[' + ",".join(g.model_dump_json() for g in groups) + '],"split":'
+                + json.dumps(split) + "}").encode()
+        await self._call("POST", self._path(model, "log"), content=body,
+                         headers={"Content-Type": "application/json"})
+
     async def delete_checkpoints(self, model: TrainableModel,
                                  best_checkpoint_metric: str = "reward_mean") -> list[int]:
         """Delete all checkpoints but the latest and the best by `best_checkpoint_metric`;

@@ -289,6 +289,10 @@ class ArtServer(ModelOperations, TrainingJobs):
                                      headers={"Cache-Control": "no-store",
                                               "X-Accel-Buffering": "no"})
 
+        @app.post(p + "/models/{project}/{name}/log")
+        async def log_groups(project: str, name: str, request: Request) -> dict[str, Any]:
+            return await self.log_groups(project, name, await self._json(request))
+
         @app.get(p + "/jobs/{job_id}")
         async def get_job(job_id: str) -> dict[str, Any]:
             job = self.jobs.get(job_id) if JOB_ID.fullmatch(job_id) else None

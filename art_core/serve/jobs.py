@@ -191,8 +191,10 @@ class TrainingJobs:
         return {"event": "result", "step": rec["step"], "metrics": rec.get("metrics") or {},
                 "replayed": True}
 
-    def _parse_groups(self, body: dict[str, Any]) -> tuple[list[TrajectoryGroup], TrainConfig]:
-        """Validate the train request's groups and config; each problem is a 400 naming it."""
+    def _parse_groups(self, body: dict[str, Any], train: bool = True
+                      ) -> tuple[list[TrajectoryGroup], TrainConfig]:
+        """Validate the request's groups and config; each problem is a 400 naming it. Groups
+        only logged (`train=False`) need no sampled turns."""
         raw_groups = body.get("groups")
         if not isinstance(raw_groups, list) or not raw_groups:
             raise ApiError(400, "'groups' must be a non-empty list of trajectory groups",
@@ -212,7 +214,7 @@ class TrainingJobs:
             check_groups(groups)  # finite rewards, named
         except ValueError as e:
             raise ApiError(400, str(e), param="groups") from None
-        for i, g in enumerate(groups):
+        for i, g in enumerate(groups if train else []):
             for j, t in enumerate(g.trajectories):
                 if not t.trainable and not config.allow_retokenize:
                     raise ApiError(400, f"groups[{i}].trajectories[{j}] has no sampled turn (no "
@@ -220,6 +222,27 @@ class TrainingJobs:
                                    "gateway's responses, or set config.allow_retokenize",
                                    param="groups")
         return groups, config
+
+    async def log_groups(self, project: str, name: str, body: Any) -> dict[str, Any]:
+        """`model.log(groups, split)` of a RemoteBackend: record groups not trained on (e.g.
+        validation) at the model's current step, as LocalBackend.log does."""
+        self._model_dir(project, name)  # validates the names
+        if not isinstance(body, dict) or sorted(set(body) - {"groups", "split"}):
+            raise ApiError(400, 'request body must be {"groups": [...], "split": "val"}')
+        split = body.get("split", "val")
+        if not isinstance(split, str):
+            raise ApiError(400, "split must be a name such as 'val'", param="split")
+        groups, _ = await asyncio.to_thread(self._parse_groups, {"groups": body.get("groups")},
+                                            False)
+        model = self.models.get((project, name))
+        if model is None:
+            raise ApiError(409, f"model {project}/{name} is not registered with this server "
+                           "(since it started): register it first", "model_not_registered")
+        try:
+            await self.backend.log(model, groups, split=split)
+        except ValueError as e:  # the split's name ("train" is train's own)
+            raise ApiError(400, str(e), param="split") from None
+        return {"logged": len(groups), "split": split, "step": self.get_step(project, name)["step"]}
 
     def _check_token_ids(self, groups: list[TrajectoryGroup], model: TrainableModel,
                          config: TrainConfig) -> None:

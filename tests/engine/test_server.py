@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.backend.remote import RemoteBackend
+from art_core.backend.remote import RemoteBackend, RemoteBackendError
 from art_core.protocol import TRAIN_PHASES
 from tests.support.server import (
     KEY,
@@ -126,6 +126,13 @@ async def test_register_rollout_train_serve_download(served, remote, model, tmp_
     assert (dest / "adapter_model.safetensors").read_bytes() == \
         (src / "adapter_model.safetensors").read_bytes()
     assert no_tmp_left(served, model)
+
+    # validation groups through RemoteBackend, as with LocalBackend: in the run dir at the step
+    await model.log([await rollout_group(model)], split="val")
+    rows = (md / "val" / "history.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == 2
+    with pytest.raises(RemoteBackendError):
+        await remote._call("POST", remote._path(model, "log"), json={"groups": [], "x": 1})
 
 
 

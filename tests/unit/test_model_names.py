@@ -91,3 +91,23 @@ def test_a_killed_conversions_leftover_is_removed_by_the_next_one(tmp_path, monk
     assert (target / "config.json").exists()
     assert not stale.exists() and fresh.exists()  # another process's may still be running
     assert sorted(p.name for p in models.iterdir()) == [".tmp-smollm2-running", target.name]
+
+
+def test_openai_client_is_reused_per_loop_and_remade_after_close():
+    import asyncio
+
+    from art_core import Model
+
+    model = Model(name="m", base_url="http://127.0.0.1:9/v1")
+
+    async def in_one_loop():
+        a, b = model.openai_client(), model.openai_client()
+        other = model.openai_client(max_retries=0)
+        assert a is b and other is not a
+        await a.close()
+        c = model.openai_client()
+        assert c is not a and not c.is_closed()
+        return c
+
+    first, second = asyncio.run(in_one_loop()), asyncio.run(in_one_loop())
+    assert first is not second  # a client belongs to the loop it was made in

@@ -67,6 +67,7 @@ PROTECTED = [
     ("POST", "/art/v1/models", {"name": "x", "project": "proj"}),
     ("GET", "/art/v1/models/proj/fake/step", None),
     ("POST", "/art/v1/models/proj/fake/train", {"groups": []}),
+    ("POST", "/art/v1/models/proj/fake/log", {"groups": []}),
     ("GET", "/art/v1/jobs/0123456789abcdef0123456789abcdef", None),
     ("GET", "/art/v1/models/proj/fake/checkpoints", None),
     ("DELETE", "/art/v1/models/proj/fake/checkpoints", None),
@@ -182,6 +183,20 @@ def test_valid_groups_for_an_unregistered_model_get_409(light):
     r = httpx.post(light.url + "/art/v1/models/proj/fake/train", json={"groups": [GOOD_GROUP]},
                    headers=auth())
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_registered"
+    assert snapshot(light.root) == before
+
+
+@pytest.mark.parametrize(("payload", "status", "needle"), [
+    ({"groups": [{"trajectories": [trajectory_json(1.0, turns=False)]}]}, 409,
+     "not registered"),  # valid (a logged group needs no sampled turns) but unregistered
+    ({"groups": []}, 400, "non-empty list"),
+    ({"groups": [{"trajectories": [trajectory_json()]}], "split": 3}, 400, "split"),
+    ({"groups": [], "step": 1}, 400, "request body must be"),
+], ids=["unregistered", "no-groups", "bad-split", "unknown-field"])
+def test_logging_validation_groups_checks_its_input(light, payload, status, needle):
+    before = snapshot(light.root)
+    r = httpx.post(light.url + "/art/v1/models/proj/fake/log", json=payload, headers=auth())
+    assert r.status_code == status and needle in r.json()["error"]["message"]
     assert snapshot(light.root) == before
 
 
