@@ -10,7 +10,14 @@ AutoRL (train from a task description; `art_mcp.autorl`), which share `art_mcp.l
 
 from __future__ import annotations
 
-from art_mcp.agent import COMPLETE_TASK, AgentConfig, WorkedExample, action_schema, run_agent
+from art_mcp.agent import (
+    COMPLETE_TASK,
+    AgentConfig,
+    WorkedExample,
+    action_schema,
+    agent_messages,
+    run_agent,
+)
 from art_mcp.autorl import AutoRLResult, autorl
 from art_mcp.functions import FunctionSession, function_tool
 from art_mcp.scenarios import (
@@ -46,6 +53,7 @@ __all__ = [
     "ServerSpec",
     "WorkedExample",
     "action_schema",
+    "agent_messages",
     "autorl",
     "connect",
     "evaluate",

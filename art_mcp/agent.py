@@ -140,6 +140,21 @@ class AgentConfig:
     embedded 135M model solved 8/86 inventory rollouts without and 23/86 with two)."""
 
 
+AGENT_START = "agent_start"
+"""Trajectory metadata: index of the task's user message; messages before it are the system
+prompt and the worked examples, which are not the agent's (see `agent_messages`)."""
+
+
+def agent_messages(trajectory: Trajectory) -> list[dict[str, Any]]:
+    """The agent's own part of a rollout: the task and everything after it, without the system
+    prompt and the worked examples shown before it. A reward that counts the agent's calls or
+    reads its tool results should read these, not `trajectory.messages`."""
+    start = trajectory.metadata.get(AGENT_START)
+    if not isinstance(start, int) or isinstance(start, bool):
+        return list(trajectory.messages)
+    return list(trajectory.messages[start:])
+
+
 def complete_task_tool() -> dict[str, Any]:
     """The tool the agent calls to say it is done."""
     return {"type": "function", "function": {
@@ -243,6 +258,7 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
         shown = [m for i, ex in enumerate(cfg.examples) for m in ex.messages(i)]
         traj.messages = [{"role": "system", "content": system}, *shown,
                          {"role": "user", "content": task}]
+        traj.metadata[AGENT_START] = len(traj.messages) - 1  # worked examples come before it
     session.timeout_s, session.max_result_chars = cfg.tool_timeout_s, cfg.max_result_chars
     m = traj.metrics
     m.update(turns=0, tool_calls=0, tool_errors=0, completed=False, ran_out_of_turns=False)

@@ -22,6 +22,7 @@ from art_mcp import (
     ServerGone,
     ServerSpec,
     WorkedExample,
+    agent_messages,
     connect,
     run_agent,
 )
@@ -205,6 +206,11 @@ async def test_worked_examples_come_before_the_task_as_earlier_turns(tmp_path: P
     # the examples are context: the rollout's own calls and metrics start after them
     assert traj.messages[:7] == sent and traj.metrics["turns"] == 1
     assert traj.metrics["tool_calls"] == 0 and traj.metrics["completed"] is True
+    # a reward reads the agent's own part: from the task on, no example call in it
+    own = agent_messages(traj)
+    assert own[0] == {"role": "user", "content": "Add a pen."}
+    assert [m["role"] for m in own] == ["user", "assistant", "tool"]
+    assert not any(c["id"].startswith("example_") for m in own for c in m.get("tool_calls") or [])
 
 
 @pytest.mark.parametrize(("data", "message"), [
