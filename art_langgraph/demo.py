@@ -278,9 +278,12 @@ def _plot(model_dir: Path, evals: dict[int, EvalStats]) -> None:
             (s, r.rate("success").value) for s, r in evals.items())},
         "train reward": {"agent": [(int(r["step"]), float(r["reward_mean"])) for r in history]},
     }
+    bands = {"held-out success rate": {"agent": sorted(
+        (s, *r.rate("success").ci) for s, r in evals.items())}}
     try:
-        out = plot_curves(curves, model_dir / "reward.png",
-                          title="art demo: a LangGraph agent on SmolLM2-135M learns to answer with a tool")
+        out = plot_curves(curves, model_dir / "reward.png", bands=bands,
+                          title="art demo: a LangGraph agent on SmolLM2-135M learns to answer "
+                                "with a tool")
         print(f"plot: {out}")
     except PlotError as e:
         print(f"no plot: {e}")

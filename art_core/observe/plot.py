@@ -69,33 +69,55 @@ def summary(curves: dict[str, dict[str, Curve]]) -> list[str]:
     return lines
 
 
-def plot_curves(curves: dict[str, dict[str, Curve]], out: str | Path, title: str = "") -> Path:
-    """Draw metric -> model -> curve to a PNG (one subplot per metric); returns its path."""
+Band = list[tuple[int, float, float]]  # (step, low, high): e.g. a 95% interval
+
+
+def plot_curves(curves: dict[str, dict[str, Curve]], out: str | Path, title: str = "",
+                bands: dict[str, dict[str, Band]] | None = None) -> Path:
+    """Draw metric -> model -> curve to a PNG (one subplot per metric); returns its path.
+    `bands` (same keys) shade an interval around a curve, e.g. a held-out rate's 95% CI."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise PlotError("plotting needs matplotlib: pip install 'art-agents[plot]'") from None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    fig = figure(curves, title, bands)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def figure(curves: dict[str, dict[str, Curve]], title: str = "",
+           bands: dict[str, dict[str, Band]] | None = None):  # -> matplotlib Figure
+    """The figure `plot_curves` saves. A long title is wrapped to the figure's width (a title
+    on the first axes was cut at the right edge)."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(len(curves), 1, figsize=(6.5, 2.6 * len(curves) + 0.6),
                              sharex=True, squeeze=False)
     for ax, (metric, by_model) in zip(axes[:, 0], curves.items(), strict=True):
         for label, curve in by_model.items():
             if curve:
-                ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3,
-                        label=label)
+                (line,) = ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o",
+                                  ms=3, label=label)
+                band = (bands or {}).get(metric, {}).get(label)
+                if band:
+                    ax.fill_between([s for s, _, _ in band], [lo for _, lo, _ in band],
+                                    [hi for _, _, hi in band], color=line.get_color(),
+                                    alpha=0.15, label=f"{label}, 95% interval")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     if title:
-        axes[0, 0].set_title(title)
+        fig.suptitle(textwrap.fill(title, 70), fontsize="medium")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

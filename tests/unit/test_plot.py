@@ -77,3 +77,26 @@ def test_art_plot_command(run, tmp_path, args, code, expected):
     if code == 0:
         written = Path(result.output.split("plot: ")[-1].strip())
         assert written.exists() and written.suffix == ".png"
+
+
+def test_a_long_title_fits_the_figure_and_bands_are_drawn():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from art_core.observe.plot import figure
+
+    title = "art demo: a LangGraph agent on SmolLM2-135M learns to answer with a tool, " * 2
+    curves = {"held-out success rate": {"agent": [(0, 0.4), (4, 0.8)]},
+              "train reward": {"agent": [(1, 0.3), (2, 0.5)]}}
+    bands = {"held-out success rate": {"agent": [(0, 0.3, 0.5), (4, 0.7, 0.9)]}}
+    fig = figure(curves, title, bands)
+    fig.canvas.draw()
+    box = fig.bbox
+    (sup,) = [t for t in fig.texts if t.get_text()]
+    extent = sup.get_window_extent()
+    assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and extent.y1 <= box.y1  # not cut
+    first = fig.axes[0]
+    assert len(first.collections) == 1  # the shaded interval
+    assert first.collections[0].get_paths()[0].get_extents().y1 == pytest.approx(0.9)
+    assert not fig.axes[1].collections  # no band asked for there
+    plt.close(fig)
