@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default="mcp", help="project (default: %(default)s)")
     p.add_argument("--base-model", default=None, help="base model (default: the embedded one)")
     p.add_argument("--scenarios", help="JSONL file of scenarios ({'task', 'difficulty', ...})")
-    p.add_argument("--generator", help="litellm model that writes scenarios from the tools")
+    p.add_argument("--generator", help="model that writes scenarios from the tools: a litellm "
+                   "model, or 'embedded' (an untrained copy of the base model, offline)")
     p.add_argument("--generator-api-base", help="OpenAI-compatible endpoint for --generator")
     p.add_argument("--n-scenarios", type=int, default=40, help="scenarios to generate")
     p.add_argument("--held-out", type=float, default=0.25,

@@ -7,7 +7,10 @@ to 5 (several steps, some reasoning). The same function serves AutoRL, which pas
 
 1. Ask for the number still missing (plus a margin for rejects), as strict JSON
    (`{"scenarios": [{"task", "difficulty"}]}`); prose around a JSON object is tolerated.
-2. Validate each item: a task of 3-600 characters, a difficulty that is an integer 1-5.
+2. Validate each item: a task of 3-600 characters, a difficulty that is an integer 1-5, and,
+   with tools, a task that shares a term with them (a name, description, parameter or enum
+   word): small generators write tasks unrelated to the tools ("translate languages" for a
+   library catalogue). Rejects are counted; most rejected as unrelated is warned about.
 3. Drop duplicates (same task after lower-casing and dropping punctuation and extra spaces),
    also against `existing` ones, and tell the generator what it already wrote.
 4. Repeat until `n` are valid or `max_attempts` requests were made; then `ScenarioError` says
@@ -168,6 +171,47 @@ def parse_items(content: str | None) -> list[Any]:
     raise ValueError("no JSON list of scenarios in the answer")
 
 
+_STOP = frozenset((  # noqa: SIM905 - a word list reads better as text
+    "a an and any are as at be by can do does for from get give has have how in into is it its "
+    "me my new of on or our please some that the their them then this to up use was we what "
+    "when which who will with you your all also one two three more most each other than"
+).split(" "))
+UNRELATED = "shares no term with the tools"
+
+
+def _stems(text: str) -> set[str]:
+    """Crude word stems of `text` for overlap checks: lowercase, stop words dropped, plural 's'
+    dropped, cut to 5 letters ("shelves"/"shelf", "items"/"item" meet)."""
+    words = re.findall(r"[a-z]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", text).lower())
+    return {w.removesuffix("s")[:5] if len(w) > 3 else w for w in words
+            if len(w) >= 3 and w not in _STOP}
+
+
+def tool_terms(tools: Sequence[dict[str, Any]]) -> set[str]:
+    """Stems of what the tools are about: names, descriptions, parameter names and enums."""
+    terms: set[str] = set()
+
+    def walk(schema: Any) -> None:
+        if isinstance(schema, dict):
+            for k, v in (schema.get("properties") or {}).items():
+                terms.update(_stems(str(k)))
+                walk(v)
+            for v in schema.get("enum") or []:
+                terms.update(_stems(str(v)))
+            for key in ("items", "anyOf", "oneOf", "allOf"):
+                walk(schema.get(key))
+        elif isinstance(schema, list):
+            for s in schema:
+                walk(s)
+
+    for t in tools:
+        fn = t.get("function") or {}
+        terms.update(_stems(fn.get("name", "").replace("_", " ")))
+        terms.update(_stems(fn.get("description") or ""))
+        walk(fn.get("parameters"))
+    return terms
+
+
 def _validate(item: Any) -> tuple[dict[str, Any] | None, str]:
     """(clean item, "") or (None, why it was rejected)."""
     if not isinstance(item, dict):
@@ -237,6 +281,8 @@ async def generate_scenarios(
     if not tools and not description:
         raise ValueError("give tools, a description, or both: the generator needs to know "
                          "what the agent can do")
+    # a task that neither the tools nor the description are about is rejected
+    terms = tool_terms(tools) | _stems(description or "") if tools else set()
     seen = {normalize(s.task) for s in existing}
     written = [s.task for s in existing]
     accepted: list[dict[str, Any]] = []
@@ -261,6 +307,8 @@ async def generate_scenarios(
                 rejected[why] += 1
             elif difficulties and clean["difficulty"] not in difficulties:
                 rejected["difficulty not asked for"] += 1
+            elif terms and not _stems(clean["task"]) & terms:
+                rejected[UNRELATED] += 1
             elif normalize(clean["task"]) in seen:
                 rejected["duplicate"] += 1
             elif len(accepted) < n:
@@ -268,6 +316,11 @@ async def generate_scenarios(
                 written.append(clean["task"])
                 accepted.append(clean)
         log.info("scenario generation attempt %d: %d/%d valid", attempt, len(accepted), n)
+    if rejected[UNRELATED] > len(accepted):
+        log.warning("most tasks the generator wrote (%d of %d) share no term with the tools "
+                    "and were rejected: the generator may not understand the tools; try a "
+                    "stronger --generator or write scenarios", rejected[UNRELATED],
+                    rejected[UNRELATED] + len(accepted))
     if len(accepted) < n and not allow_fewer:
         reasons = ", ".join(f"{why}: {c}" for why, c in rejected.most_common()) or "none"
         raise ScenarioError(f"the generator gave {len(accepted)} valid distinct scenarios of {n} "

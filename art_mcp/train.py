@@ -36,7 +36,7 @@ from art_core import Model, TrainableModel, TrainConfig, Trajectory
 from art_core.loop import EvalStats, train_loop
 from art_core.loop import evaluate as evaluate_rollouts
 from art_mcp.agent import AgentConfig, run_agent
-from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split
+from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split, untrained_copy
 from art_mcp.scenarios import Scenario, generate_scenarios, load_scenarios
 from art_mcp.session import RecordingSession, ServerSpec, connect
 
@@ -118,9 +118,14 @@ class McpTrainResult:
 
 async def _scenarios(run_dir: Path, session: RecordingSession, scenarios: Any, generator: Any,
                      generator_kwargs: dict[str, Any], n_scenarios: int, held_out: int | float,
-                     seed: int) -> tuple[list[Scenario], list[Scenario]]:
-    """Saved split (resume), else load or generate, split and save."""
+                     seed: int, model: TrainableModel, backend: Any
+                     ) -> tuple[list[Scenario], list[Scenario]]:
+    """Saved split (resume), else load or generate, split and save. `generator="embedded"` is
+    an untrained copy of the model's base on the same engine (offline, as AutoRL does)."""
     async def pool() -> list[Scenario]:
+        nonlocal generator
+        if generator == "embedded" and scenarios is None:
+            generator = await untrained_copy(model, backend, "base")
         if isinstance(scenarios, str | Path):
             return load_scenarios(scenarios)
         if scenarios is not None:
@@ -148,6 +153,8 @@ async def train_mcp(
     """Train `model` (default: the embedded model as "mcp-agent") on `server`'s tools for
     `steps` GRPO steps and compare held-out results before and after (see module docstring).
 
+    Scenarios: a JSONL file or a list, else written by `generator` from the tools (a litellm
+    model, an `art_core.Model`, or "embedded": an untrained copy of the base on this engine).
     Reward: `reward(trajectory, context)` when given (verifiable), else RULER with `judge`
     (a litellm model; "embedded" uses an untrained copy of the model's base on the same
     backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...).
@@ -161,7 +168,8 @@ async def train_mcp(
         with tempfile.TemporaryDirectory(prefix="art-mcp-") as tmp:
             async with connect(spec, workdir=tmp) as session:
                 train, held = await _scenarios(run_dir, session, scenarios, generator,
-                                               generator_kwargs or {}, n_scenarios, held_out, seed)
+                                               generator_kwargs or {}, n_scenarios, held_out, seed,
+                                               model, backend)
                 tools = [t["function"]["name"] for t in await session.openai_tools()]
         print_fn(f"server {spec.describe()}: tools {', '.join(tools)}")
         print_fn(f"scenarios: {len(train)} train, {len(held)} held-out (saved in {run_dir})")

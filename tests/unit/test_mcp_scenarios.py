@@ -34,7 +34,7 @@ async def test_validates_dedupes_and_retries_until_enough(form: str, tmp_path: P
         "I cannot do that.",                                       # no JSON: retried
         answer(item("Add 5 pens to the stock."), item("Add 5 pens to the stock!"),  # dup
                item("Add", 1), item("Add ten folders please", 9),  # too short, bad difficulty
-               item("Record a delivery of 3 staplers.", "4")),     # "4" is accepted as 4
+               item("Record 3 staplers in the stock.", "4")),   # "4" is accepted as 4
         "Sure:\n```json\n" + answer(item("add 5 PENS to the stock"),  # dup of an earlier one
                                     item("We got 7 new markers; add them.", 1)) + "\n```",
     ]
@@ -48,7 +48,7 @@ async def test_validates_dedupes_and_retries_until_enough(form: str, tmp_path: P
         requests = llm.requests
     assert [(s.id, s.task, s.difficulty) for s in scenarios] == [
         ("gen-0001", "Add 5 pens to the stock.", 2),
-        ("gen-0002", "Record a delivery of 3 staplers.", 4),
+        ("gen-0002", "Record 3 staplers in the stock.", 4),
         ("gen-0003", "We got 7 new markers; add them.", 1)]
     assert len(requests) == 3
     first, last = requests[0], requests[-1]
@@ -76,12 +76,37 @@ async def test_too_few_after_all_attempts_says_why() -> None:
 
 async def test_existing_scenarios_are_not_repeated() -> None:
     existing = [Scenario(id="e1", task="Add 5 pens to the stock.")]
-    script = [answer(item("Add 5 pens to the stock."), item("Move the glue to shelf A3.", 2))]
+    script = [answer(item("Add 5 pens to the stock."), item("Add 2 glue sticks to the stock.", 2))]
     with ScriptedJudge(script) as llm:
         got = await generate_scenarios(1, tools=TOOLS, generator=Model(name="g", base_url=llm.api_base),
                                        existing=existing)
         assert "- Add 5 pens to the stock." in llm.requests[0]["messages"][1]["content"]
-    assert [s.task for s in got] == ["Move the glue to shelf A3."]
+    assert [s.task for s in got] == ["Add 2 glue sticks to the stock."]
+
+
+LIBRARY = [{"type": "function", "function": {
+    "name": "search_catalogue", "description": "Find books by title or author.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "checkOutBook", "description": "Lend a copy.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "isbn": {"type": "string"}}}}}]
+
+
+async def test_tasks_no_tool_is_about_are_rejected_counted_and_warned(caplog) -> None:
+    """What the embedded generator wrote for a library catalogue (8 of 8 unrelated)."""
+    unrelated = ["Help law enforcement agencies.", "Translate different languages fluently.",
+                 "Plan a trip to the mountains."]
+    related = ["Find the books by Ursula Le Guin.", "Check out a copy of Dune for me."]
+    with ScriptedJudge([answer(*[item(t) for t in unrelated + related])]) as llm:
+        gen = Model(name="g", base_url=llm.api_base)
+        with caplog.at_level("WARNING", logger="art_mcp.scenarios"):
+            got = await generate_scenarios(2, tools=LIBRARY, generator=gen, max_attempts=1)
+    assert [s.task for s in got] == related
+    assert "3 of 5" in caplog.text and "share no term with the tools" in caplog.text
+    with ScriptedJudge([answer(*[item(t) for t in unrelated])]) as llm, \
+            pytest.raises(ScenarioError, match="shares no term with the tools: 3"):
+        await generate_scenarios(1, tools=LIBRARY, max_attempts=1,
+                                 generator=Model(name="g", base_url=llm.api_base))
 
 
 @pytest.mark.parametrize(("content", "n"), [
