@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -246,16 +247,15 @@ def _apply_default_cap(up: dict[str, Any], cap: int | None) -> bool:
     return True
 
 
-_warned_cap: set[str] = set()
+_warned_cap: weakref.WeakSet[Any] = weakref.WeakSet()  # engines warned about (once each)
 
 
 def _warn_truncated(route: Route, data: dict[str, Any]) -> None:
     """Warn once per engine when the default cap (not the client's own) cut an answer."""
-    name = route.engine.served_name
-    if name in _warned_cap:
+    if route.engine in _warned_cap:
         return
     if any(c.get("finish_reason") == "length" for c in data.get("choices") or []):
-        _warned_cap.add(name)
+        _warned_cap.add(route.engine)
         logging.getLogger(__name__).warning(
             "an answer of %s was cut at EngineConfig.default_max_tokens=%s because the request "
             "set no max_tokens; set max_tokens on the request or raise the default (the step "

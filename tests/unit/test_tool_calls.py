@@ -235,3 +235,18 @@ async def test_langchain_chat_openai_and_tool_node_work_unchanged(scripted):
     graph.add_edge("tools", END)
     out = await graph.compile().ainvoke({"messages": [ai]})
     assert out["messages"][-1].content == "Lima"
+
+
+async def test_a_request_without_a_cap_gets_the_engines_default_and_a_cut_is_warned_once(
+        scripted, caplog):
+    gw, sent, replies = scripted
+    replies.extend([vllm_reply("rambling", finish="length"), vllm_reply("again", finish="length"),
+                    vllm_reply("short")])
+    async with asgi_client(gw) as c:
+        with caplog.at_level("WARNING", logger="art_core.inference.completions"):
+            await c.post("/chat/completions", json=body(model="base"))
+            await c.post("/chat/completions", json=body(model="base"))
+        await c.post("/chat/completions", json=body(model="base", max_tokens=7))
+    assert [s.get("max_tokens") for s in sent] == [1024, 1024, 7]  # EngineConfig default
+    warned = [r for r in caplog.records if "default_max_tokens" in r.getMessage()]
+    assert len(warned) == 1  # once per engine, not once per answer
