@@ -190,7 +190,8 @@ class Splicer:
             k, answer = h.copy(), message_key({"role": "assistant",
                                                **(choice.get("message") or {})})
             k.update(answer.encode())
-            self._served[k.digest()] = Served(list(prompt), list(ids))
+            # the lists the ledger keeps too (not copies): the memory is paid once
+            self._served[k.digest()] = Served(prompt, ids)
             self._answers[answer] = None
             while len(self._served) > self.size:
                 self._served.popitem(last=False)
