@@ -111,3 +111,25 @@ async def test_json_actions_keep_defs_and_additional_properties_schemas(tmp_path
                             schema)
     xgrammar = pytest.importorskip("xgrammar")  # the grammar compiler vLLM uses
     xgrammar.Grammar.from_json_schema(json.dumps(schema))  # raised "Cannot find field $defs"
+
+
+async def test_a_third_party_server_from_pypi_records_tools_and_results(tmp_path, monkeypatch):
+    """`mcp-server-time` (PyPI, not ours): its tools become OpenAI tools, a call's text result
+    reaches the trajectory, and it runs without the trainer's secrets."""
+    pytest.importorskip("mcp_server_time")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret")
+    spec = ServerSpec(command=[sys.executable, "-m", "mcp_server_time",
+                               "--local-timezone", "UTC"])
+    async with connect(spec, workdir=tmp_path) as session:
+        traj = Trajectory()
+        with recording(traj):
+            await session.list_tools()
+            result = await session.call_tool("get_current_time", {"timezone": "Europe/Paris"})
+    names = {t["function"]["name"] for t in traj.tools or []}
+    assert {"get_current_time", "convert_time"} <= names
+    params = next(t for t in traj.tools if t["function"]["name"] == "get_current_time")
+    assert "timezone" in params["function"]["parameters"]["properties"]
+    from art_mcp.session import result_text
+
+    text = result_text(result)
+    assert "Europe/Paris" in text and json.loads(text)["timezone"] == "Europe/Paris"
