@@ -32,7 +32,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from art_core.inference import upstream
 from art_core.inference.ledger import accumulate, new_stream, record_of_stream
-from art_core.inference.splice import SPLICE, Plan, Splicer, chat_response, completions_body
+from art_core.inference.splice import (
+    SPLICE,
+    Plan,
+    Splicer,
+    chat_response,
+    completions_body,
+    top_logprobs,
+)
 from art_core.inference.tool_calls import ToolCallError, plan_tools, stream_chunks
 from art_core.protocol import error_body, extend_response, ledger_record
 
@@ -146,14 +153,14 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
                 assert turn.prompt_ids is not None
                 parse = plan is None and bool(body.get("tools")) and \
                     body.get("tool_choice") != "none"
-                data = chat_response(data, turn.prompt_ids, parse, _top_logprobs(body))
+                data = chat_response(data, turn.prompt_ids, parse, top_logprobs(body))
             if plan is not None:
                 data = plan.convert(data)
             extend_response(data, served=route.public, step=route.step,
                             started_at=started_at, latency_s=time.time() - started_at)
             if chat:
                 data[SPLICE] = {"spliced": turn.spliced, "reason": turn.reason}
-                gw.splicer.remember(route.engine, body, data)
+                gw.splicer.remember(route.engine, body, data, turn)
             if capped:
                 _warn_truncated(route, data)
             gw.ledger.add(ledger_record(data, requested, chat))
@@ -211,7 +218,7 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                     gw.splicer.remember(route.engine, body, {
                         "prompt_token_ids": rec["prompt_token_ids"],
                         "choices": [{"token_ids": c["token_ids"], "message": acc["messages"][
-                            c["index"]]} for c in rec["choices"]]})
+                            c["index"]]} for c in rec["choices"]]}, turn)
                 if capped:
                     _warn_truncated(route, {"choices": rec["choices"]})
                 gw.ledger.add(rec)
@@ -262,7 +269,3 @@ def _warn_truncated(route: Route, data: dict[str, Any]) -> None:
             "metrics count such turns as truncated_turns)", route.public,
             route.engine.config.default_max_tokens)
 
-
-def _top_logprobs(body: dict[str, Any]) -> int:
-    top = body.get("top_logprobs")
-    return top if isinstance(top, int) and top > 0 else 0

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from art_core.inference.chat_tokens import TemplateSplitError, check_template, suffix_ids
 from art_core.protocol import SPLICE
 
-__all__ = ["SPLICE", "Plan", "Splicer", "chat_response", "completions_body"]
+__all__ = ["SPLICE", "Plan", "Splicer", "chat_response", "completions_body", "top_logprobs"]
 
 if TYPE_CHECKING:
     from art_core.inference.engine import VLLMEngine
@@ -68,6 +68,7 @@ class Plan:
     prompt_ids: list[int] | None = None
     reason: str | None = None  # set when the request continues a chat and was not spliced
     exact_prefix: bool = True
+    history: Any = None  # the hash of the request's history (`Splicer._chain`), for `remember`
 
     @property
     def spliced(self) -> bool:
@@ -124,65 +125,74 @@ class Splicer:
 
     # ---- the rule ------------------------------------------------------------------------
 
-    def _context(self, engine: VLLMEngine, body: dict[str, Any]) -> hashlib._Hash:
+    @staticmethod
+    def _chain(engine: VLLMEngine, body: dict[str, Any]) -> tuple[Any, dict[int, bytes]]:
+        """The hash of (engine, tools, template options, every message), and its digest after
+        each assistant message: the keys `remember` stores and `plan` looks up."""
         h = hashlib.sha256()
         h.update(json.dumps([engine.served_name, body.get("tools"),
                              body.get("chat_template_kwargs")], sort_keys=True).encode())
-        return h
+        at: dict[int, bytes] = {}
+        for i, m in enumerate(body["messages"]):
+            h.update(message_key(m).encode() if isinstance(m, dict) else b"?")
+            if isinstance(m, dict) and m.get("role") == "assistant":
+                at[i] = h.digest()
+        return h, at
 
     async def plan(self, engine: VLLMEngine, body: dict[str, Any]) -> Plan:
         messages = body["messages"]
-        assistants = [i for i, m in enumerate(messages)
-                      if isinstance(m, dict) and m.get("role") == "assistant"]
-        if not assistants:
-            return Plan()  # a first turn: nothing to continue
         if not engine.config.splice_turns:
-            return self._count(Plan(reason="splicing_off"))
+            continued = any(isinstance(m, dict) and m.get("role") == "assistant"
+                            for m in messages)
+            return self._count(Plan(reason="splicing_off")) if continued else Plan()
+        history, at = self._chain(engine, body)  # once per request: `remember` reuses it
+        assistants = sorted(at)
+        if not assistants:
+            return Plan(history=history)  # a first turn: nothing to continue
         if any(body.get(k) is not None for k in UNSPLICEABLE) or \
                 body.get("add_generation_prompt") is False or \
                 messages[-1].get("role") == "assistant":
-            return self._count(Plan(reason="unsupported_request"))
+            return self._count(Plan(reason="unsupported_request", history=history))
         if body.get("tools") and engine.config.tool_call_parser not in (None, "hermes"):
-            return self._count(Plan(reason="tool_parser_unsupported"))
-        h = self._context(engine, body)
+            return self._count(Plan(reason="tool_parser_unsupported", history=history))
         hits: list[tuple[int, Served]] = []
-        for i, m in enumerate(messages):
-            h.update(message_key(m).encode() if isinstance(m, dict) else b"?")
-            if i in assistants and (served := self._served.get(h.digest())) is not None:
+        for i in assistants:
+            if (served := self._served.get(at[i])) is not None:
                 hits.append((i, served))
-                self._served.move_to_end(h.digest())
+                self._served.move_to_end(at[i])
         if not hits or hits[-1][0] != assistants[-1]:
             # an answer we served, in a history that is not the one we served it in: the client
             # edited, dropped or summarised; else the last assistant turn is the client's own
             known = hits or message_key(messages[assistants[-1]]) in self._answers
             return self._count(Plan(reason="rewritten_history" if known
-                                    else "unknown_prior_turn"))
+                                    else "unknown_prior_turn", history=history))
         upto, served = hits[-1]
         await self.prepare(engine)
         tok = self._tokenizers[engine.served_name]
         if tok is None:
-            return self._count(Plan(reason="tokenizer_unavailable"))
+            return self._count(Plan(reason="tokenizer_unavailable", history=history))
         try:
             sfx = await asyncio.to_thread(
                 suffix_ids, tok, messages, upto, served.completion_ids, tools=body.get("tools"),
                 template_kwargs=body.get("chat_template_kwargs"))
         except TemplateSplitError as e:
-            return self._count(Plan(reason=e.reason))
+            return self._count(Plan(reason=e.reason, history=history))
         except Exception as e:  # noqa: BLE001 - a template may raise anything on odd input
             log.debug("splice render failed: %s", e)
-            return self._count(Plan(reason="template_error"))
+            return self._count(Plan(reason="template_error", history=history))
         plan = Plan(prompt_ids=served.prompt_ids + served.completion_ids + sfx.token_ids,
-                    exact_prefix=sfx.exact_prefix)
+                    exact_prefix=sfx.exact_prefix, history=history)
         return self._count(plan)
 
-    def remember(self, engine: VLLMEngine, body: dict[str, Any], data: dict[str, Any]) -> None:
-        """Remember each choice of a chat answer (with our token fields) for the next turn."""
+    def remember(self, engine: VLLMEngine, body: dict[str, Any], data: dict[str, Any],
+                 turn: Plan | None = None) -> None:
+        """Remember each choice of a chat answer (with our token fields) for the next turn;
+        `turn` is this request's plan, whose hash of the history is reused."""
         prompt = data.get("prompt_token_ids")
-        if not prompt:
+        if not prompt or not engine.config.splice_turns:
             return
-        h = self._context(engine, body)
-        for m in body["messages"]:
-            h.update(message_key(m).encode() if isinstance(m, dict) else b"?")
+        h = turn.history if turn is not None and turn.history is not None else \
+            self._chain(engine, body)[0]
         for choice in data.get("choices") or []:
             ids = choice.get("token_ids")
             if not ids:
@@ -217,13 +227,18 @@ def _load_tokenizer(engine: VLLMEngine) -> Any:
 # ---- the completions request and its answer as a chat completion -------------------------
 
 
+def top_logprobs(chat: dict[str, Any]) -> int:
+    """The alternatives per token a chat request asks for (0: none)."""
+    top = chat.get("top_logprobs")
+    return top if isinstance(top, int) and not isinstance(top, bool) and top > 0 else 0
+
+
 def completions_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
     """A chat request (already routed and planned) as a token-id `/v1/completions` request."""
     up = {k: v for k, v in chat.items() if k not in CHAT_ONLY}
     up["prompt"] = prompt_ids
     up["max_tokens"] = chat.get("max_completion_tokens", chat.get("max_tokens"))
-    top = chat.get("top_logprobs")
-    up["logprobs"] = top if isinstance(top, int) and top > 0 else 0
+    up["logprobs"] = top_logprobs(chat)
     up["return_token_ids"] = True
     return up
 

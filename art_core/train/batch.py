@@ -320,9 +320,10 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> _
         mask += [1] * len(turn.completion_token_ids)
         old += _sampler_logprobs(turn)
         out.truncated_turns += turn.finish_reason == "length"
+        if turn.constrained_from is not None:
+            out.constrained_tokens += max(0, len(turn.logprobs) - turn.constrained_from)
         previous = turn
     close()
-    out.constrained_tokens = sum(math.isnan(x) for s in out.sequences for x in s.old_logprobs)
     return out
 
 
