@@ -252,10 +252,6 @@ class LocalBackend:
 
     def _check_engine_fits(self, model: TrainableModel, engine: VLLMEngine) -> None:
         """Refuse, naming the setting, a model the running engine cannot serve as asked."""
-        try:
-            engine.check_merged_owner(model.name)
-        except EngineError as e:
-            raise ValueError(str(e)) from None
         if model.config.lora.rank > engine.max_lora_rank:
             raise ValueError(
                 f"model {model.name!r} has LoRA rank {model.config.lora.rank}, but the engine of "

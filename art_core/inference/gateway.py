@@ -125,7 +125,7 @@ class Gateway:
         served.checkpoints.update(checkpoints or {})
         served.checkpoints[step] = Path(path)
         try:
-            await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path)
+            await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path, latest=True)
         except EngineError as e:
             if new:
                 raise
@@ -197,11 +197,10 @@ class Gateway:
             raise GatewayError(400, "'model' is required and must be a string", "model")
         if requested in self.engines:
             engine = self.engines[requested]
-            if engine.config.serve_merged and engine.adapters:
-                raise GatewayError(404, f"The model '{requested}' is not served as it is: its "
-                                   f"engine serves {next(iter(engine.adapters))} as merged "
-                                   "weights (EngineConfig.serve_merged)", "model")
-            return Route(engine, requested, requested, None)
+            if engine.merged is None:
+                return Route(engine, requested, requested, None)
+            return Route(engine, await self._loaded(engine, None, None, requested), requested,
+                         None)  # with merged weights, the base is a delta LoRA
         name, sep, step_s = requested.rpartition("@")
         if not sep:
             name, step_s = requested, ""
@@ -220,25 +219,32 @@ class Gateway:
             raise GatewayError(404, f"The model '{name}' has no step {step}; steps: "
                                f"{sorted(served.checkpoints)}", "model")
         upstream = f"{name}@{step}"
-        if served.engine.config.serve_merged:  # only the latest step, as the base's weights
-            try:
-                return Route(served.engine, served.engine.upstream_name(upstream), upstream,
-                             step)
-            except EngineError as e:
-                raise GatewayError(404, f"The model '{requested}' is not served: {e}",
-                                   "model") from None
-        if upstream not in served.engine.adapters:  # unloaded, or lost in a restart
-            if self._load_lock is None:
-                self._load_lock = asyncio.Lock()
-            async with self._load_lock:
-                try:
-                    await asyncio.to_thread(served.engine.load_adapter, upstream,
-                                            served.checkpoints[step])
-                except EngineError as e:
-                    raise GatewayError(503, f"The model '{requested}' cannot be loaded right "
-                                       f"now: {str(e).splitlines()[0]}", "model",
-                                       {"Retry-After": str(RETRY_AFTER_S)}) from None
-        return Route(served.engine, upstream, upstream, step)
+        vllm_name = await self._loaded(served.engine, upstream, served.checkpoints[step],
+                                       requested)
+        return Route(served.engine, vllm_name, upstream, step)
+
+    async def _loaded(self, engine: VLLMEngine, name: str | None, path: Path | None,
+                      requested: str) -> str:
+        """The name vLLM serves adapter `name` (None: the base) under, loaded first if it is
+        not (unloaded, lost in a restart, or a delta from merged weights not built yet)."""
+        if self._load_lock is None:
+            self._load_lock = asyncio.Lock()
+        try:
+            if name is not None and name not in engine.adapters:
+                async with self._load_lock:
+                    await asyncio.to_thread(engine.load_adapter, name, path)
+            upstream = engine.upstream_name(name)
+            if upstream is None:  # the base, beside merged weights
+                async with self._load_lock:
+                    await asyncio.to_thread(engine.load_base)
+                upstream = engine.upstream_name(name)
+            if upstream is None:
+                raise EngineError("its delta from the merged weights did not load")
+            return upstream
+        except EngineError as e:
+            raise GatewayError(503, f"The model '{requested}' cannot be loaded right now: "
+                               f"{str(e).splitlines()[0]}", "model",
+                               {"Retry-After": str(RETRY_AFTER_S)}) from None
 
     async def wait_gate(self) -> None:
         gate, _ = self._events()

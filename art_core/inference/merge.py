@@ -145,3 +145,50 @@ def _merged_file(path: Path, deltas: dict[str, tuple[Any, Any, float]], dtype: s
                 # one fused pass: W + scale * B @ A in float32, rounded once
                 w = torch.addmm(w.float(), b.float(), a.float(), alpha=scale).to(out_dtype)
             yield name, w.contiguous()
+
+
+def write_delta(merged_dir: str | Path, target_dir: str | Path | None, out_dir: str | Path
+                ) -> Path:
+    """Write, in `out_dir`, the LoRA that turns the weights served merged with `merged_dir`
+    back into base + `target_dir` (None: the base itself):
+
+        W + s_k B_k A_k = (W + s_n B_n A_n) + [s_k B_k | -s_n B_n] @ [A_k ; A_n]
+
+    a LoRA of rank r_k + r_n with scale 1 (alpha = r); for the base, [-s_n B_n] @ [A_n].
+    A module adapted by only one side gets zero rows there (peft wants one rank for all).
+    Computed in float32. This is how one engine serves every other name (an older step, the
+    base, a second model on the base) beside the merged policy, through vLLM's runtime LoRA."""
+    import torch
+    from safetensors.torch import save_file
+
+    merged = lora_deltas(merged_dir)
+    target = lora_deltas(target_dir) if target_dir is not None else {}
+    r_k = next((a.shape[0] for a, _, _ in target.values()), 0)
+    r_n = next(a.shape[0] for a, _, _ in merged.values())
+    rank = r_k + r_n
+    tensors: dict[str, Any] = {}
+    for name in sorted(set(merged) | set(target)):
+        ref_a, ref_b, _ = target.get(name) or merged[name]
+        n_in, n_out = ref_a.shape[1], ref_b.shape[0]
+        parts_a, parts_b = [], []
+        for side, r, sign in ((target, r_k, 1.0), (merged, r_n, -1.0)):
+            if not r:
+                continue
+            if name in side:
+                a, b, scale = side[name]  # A [r, in], B [out, r]
+                parts_a.append(a.float())
+                parts_b.append(b.float() * (sign * scale))
+            else:
+                parts_a.append(torch.zeros(r, n_in))
+                parts_b.append(torch.zeros(n_out, r))
+        module = _PREFIX + name[: -len(".weight")]
+        tensors[module + ".lora_A.weight"] = torch.cat(parts_a, 0).contiguous()  # [rank, in]
+        tensors[module + ".lora_B.weight"] = torch.cat(parts_b, 1).contiguous()  # [out, rank]
+    cfg = json.loads((Path(merged_dir) / "adapter_config.json").read_text())
+    cfg.update(r=rank, lora_alpha=rank, use_rslora=False, lora_dropout=0.0,
+               target_modules=sorted({n.rsplit(".", 2)[-2] for n in set(merged) | set(target)}))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir

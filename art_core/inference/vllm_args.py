@@ -66,9 +66,9 @@ def vllm_command(model_path: str, served_name: str, port: int, config: EngineCon
     ]
     if c.serve_merged:  # the in-place merged reload runs in vLLM's worker
         args += ["--worker-extension-cls", "art_core.inference.vllm_worker.MergedLoraWorker"]
-    else:
-        args += ["--enable-lora", "--max-lora-rank", str(vllm_rank(max_lora_rank)),
-                 "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
+    # runtime LoRA in both modes: beside merged weights it serves every other name as a delta
+    args += ["--enable-lora", "--max-lora-rank", str(vllm_rank(max_lora_rank)),
+             "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
     if c.enforce_eager:
         args.append("--enforce-eager")
     if c.tool_call_parser:

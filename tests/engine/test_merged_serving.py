@@ -1,6 +1,8 @@
 """EngineConfig.serve_merged on the real vLLM engine: after a step, vLLM samples from the merged
-weights of exactly that step (its logprobs are the trained policy's, not the base's), and what it
-cannot serve (older steps, the base name, a second model) is refused by name."""
+weights of exactly that step (its logprobs are the trained policy's, not the base's), and every
+other name (an older step, the base by name, a second model on the same base) answers through a
+delta LoRA with the logprobs transformers + peft compute for that checkpoint, also after a
+further step and after vLLM is killed and restarted."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def reference_logprobs(base: str, adapter=None) -> torch.Tensor:
 
 async def test_merged_serving_samples_the_trained_step(backend, tmp_path_factory, monkeypatch):
     base = str(build_tiny_model(tmp_path_factory.mktemp("merged") / "qwen3", "qwen3"))
-    threads = []  # where the trainer was built and stepped: one thread, for one OpenMP team
+    threads = []  # where the trainers were built (2) and stepped (3): one thread, one OpenMP team
     for method in ("__init__", "step"):
         original = getattr(Trainer, method)
 
@@ -63,53 +65,65 @@ async def test_merged_serving_samples_the_trained_step(backend, tmp_path_factory
         monkeypatch.setattr(Trainer, method, recorded)
     try:
         await check_merged_serving(backend, base)
-        assert len(threads) == 2 and all(t.startswith("art-trainer") for t in threads), threads
+        assert len(threads) == 5 and all(t.startswith("art-trainer") for t in threads), threads
     finally:  # this base is the module's own: free its engine's memory for the tests after
         if base in backend._engines:
             await release_engine(backend, base)
+
+
+async def train_one_step(model: TrainableModel) -> int:
+    groups = await gather_trajectory_groups(
+        ([rollout(model, i) for i in range(4)] for _ in range(2)), show_progress=False)
+    return (await model.train(groups, TrainConfig(learning_rate=5e-2, bf16=False))).step
 
 
 async def check_merged_serving(backend, base: str) -> None:
     model = TrainableModel(name="merged-policy", project="merged", base_model=base,
                            config=merged_config())
     await model.register(backend)
-    at_start = await engine_logprobs(model, model.name)
-    groups = await gather_trajectory_groups(
-        ([rollout(model, i) for i in range(4)] for _ in range(2)), show_progress=False)
-    result = await model.train(groups, TrainConfig(learning_rate=5e-2, bf16=False))
-    assert result.step == 1
-    served = await engine_logprobs(model, model.name)
-
-    policy = reference_logprobs(base, backend.checkpoint_dir(model, 1))
     base_lp = reference_logprobs(base)
-    moved = (policy - base_lp).abs().mean().item()
-    off = (served - policy).abs().mean().item()
+    at_start = await engine_logprobs(model, model.name)
+    assert await train_one_step(model) == 1
+    policy = {1: reference_logprobs(base, backend.checkpoint_dir(model, 1))}
+    moved = (policy[1] - base_lp).abs().mean().item()
     assert moved > 0.05, f"the step barely changed the policy ({moved:.4f}): test too weak"
-    assert off < moved / 5, f"vLLM serves {off:.4f} away from step 1, which moved {moved:.4f}"
     assert (at_start - base_lp).abs().mean().item() < moved / 5  # step 0 is the base
 
+    async def check(served: dict[str, torch.Tensor]) -> None:
+        for name, want in served.items():
+            off = (await engine_logprobs(model, name) - want).abs().mean().item()
+            assert off < moved / 5, f"{name} is served {off:.4f} away (a step moved {moved:.4f})"
+
+    engine = backend._engines[base]
+    assert engine.merged == f"{model.name}@1"
     r = await model.openai_client().chat.completions.create(
         model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.model == f"{model.name}@1"
-    engine = backend._engines[base]
-    assert engine.adapters == {f"{model.name}@1": str(backend.checkpoint_dir(model, 1).resolve())}
+    await check({model.name: policy[1], f"{model.name}@0": base_lp, base: base_lp})
 
-    for name, why in [(f"{model.name}@0", "serve_merged"), (base, "merged weights")]:
-        async with httpx.AsyncClient(timeout=60) as c:
-            r = await c.post(f"{model.base_url}/completions",
-                             json={"model": name, "prompt": "x", "max_tokens": 1})
-        assert r.status_code == 404 and why in r.json()["error"]["message"], (name, r.text)
+    # a second model on the same base: served as a delta from the first one's merged weights
+    other = TrainableModel(name="merged-other", project="merged", base_model=base,
+                           config=merged_config())
+    await other.register(backend)
+    assert await train_one_step(other) == 1
+    other_lp = reference_logprobs(base, backend.checkpoint_dir(other, 1))
+    assert engine.merged == f"{model.name}@1"
+    await check({other.name: other_lp})
 
-    # vLLM killed: the supervisor restarts it from the base and merges step 1 in again
+    # a step changes what `name` serves and leaves name@1 (now a delta) as it was
+    assert await train_one_step(model) == 2
+    policy[2] = reference_logprobs(base, backend.checkpoint_dir(model, 2))
+    assert (policy[2] - policy[1]).abs().mean().item() > moved / 5
+    assert engine.merged == f"{model.name}@2"
+    served = {model.name: policy[2], f"{model.name}@1": policy[1], base: base_lp,
+              other.name: other_lp}
+    await check(served)
+
+    # vLLM killed: the supervisor restarts it from the base, merges step 2 in again, and
+    # every other name is served again from its delta
     os.killpg(engine._proc.pid, signal.SIGKILL)
     await asyncio.sleep(1)
     await asyncio.to_thread(engine.wait_ready, 240)
-    restarted = await asyncio.wait_for(engine_logprobs(model, model.name), 240)
     assert engine.restarts == 1
-    assert (restarted - policy).abs().mean().item() < moved / 5
-
-    other = TrainableModel(name="merged-other", project="merged", base_model=base,
-                           config=merged_config())
-    with pytest.raises(ValueError, match="serves another model as merged weights"):
-        await other.register(backend)
-    assert await model.get_step() == 1
+    await asyncio.wait_for(check(served), 240)
+    assert await model.get_step() == 2

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from art_core import LoraConfig
-from art_core.inference.merge import MergeError, merge_lora, merged_weights
+from art_core.inference.merge import MergeError, merge_lora, merged_weights, write_delta
 from art_core.testing.tiny import ARCHS, build_tiny_model
 from art_core.train.trainer import Trainer
 
@@ -155,3 +155,42 @@ def test_a_float32_merge_keeps_the_delta_that_bf16_rounds_away(tmp_path):
         errors = [(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(
             input_ids=ids).logits - want).abs().mean() for d in (wide, narrow)]
     assert errors[0] < 1e-4 and errors[0] < errors[1] / 10, errors
+
+
+def _logits(model_dir, adapter=None, ids=torch.tensor([[1, 5, 9, 17, 33, 2, 8, 40]])):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits  # [1, T, V]
+
+
+@pytest.mark.parametrize("served", ["older step", "the base", "another model"])
+def test_a_delta_lora_on_merged_weights_computes_the_other_adapter(served, tmp_path):
+    """write_delta: merged step n (float32, so that only the delta's own error is measured)
+    plus the delta LoRA computes what base + adapter k computes; for the base, the base."""
+    base = build_tiny_model(tmp_path / "base", "llama")
+    trained_adapter(base, tmp_path / "step2", seed=2)
+    merged = merge_lora(base, tmp_path / "step2", tmp_path / "merged", dtype="float32")
+    if served == "older step":
+        trained_adapter(base, tmp_path / "target", seed=1)
+    elif served == "another model":  # another rank and fewer modules than the merged one
+        torch.manual_seed(3)
+        trainer = Trainer(str(base), LoraConfig(rank=2, alpha=16, target_modules=["q_proj",
+                                                "v_proj", "up_proj"]), device="cpu")
+        with torch.no_grad():
+            for name, p in trainer.lora_params.items():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        trainer.save_adapter(tmp_path / "target")
+    target = None if served == "the base" else tmp_path / "target"
+    delta = write_delta(tmp_path / "step2", target, tmp_path / "delta")
+
+    want = _logits(base, target)
+    got = _logits(merged, delta)
+    moved = (want - _logits(merged)).abs().mean()  # what the delta has to undo
+    assert moved > 1e-2
+    assert (got - want).abs().mean() < moved / 100, ((got - want).abs().mean(), moved)
+    cfg = json.loads((delta / "adapter_config.json").read_text())
+    rank = 4 + {"older step": 4, "the base": 0, "another model": 2}[served]
+    assert (cfg["r"], cfg["lora_alpha"]) == (rank, rank)
