@@ -82,14 +82,14 @@ class EngineConfig(_Strict):
         "requests took seconds to start, more than its idle polling costs the trainer.)"))
     startup_timeout_s: float = Field(300.0, gt=0, description=(
         "How long to wait for vLLM to report healthy. CPU start is ~20-30 s; slow disks more."))
-    serve_merged: bool = Field(False, description=(
-        "Serve the policy as merged weights (W + BA, reloaded into vLLM in place after each "
-        "step) instead of a runtime LoRA. On CPU vLLM's LoRA kernels decode ~2x slower than "
-        "the base model (FIELD-NOTES); merged weights decode at the base's speed. Off by "
-        "default because it narrows what the engine serves: one trainable model per base, only "
-        "its latest step (older name@step and the base model's own name are refused, so the "
-        "base cannot also be the RULER judge), and where vLLM computes in bf16, rounding W + BA "
-        "to bf16 can erase updates smaller than half a bf16 step of W (watch "
+    serve_merged: bool | None = Field(None, description=(
+        "Serve the policy's latest step as merged weights (W + BA, reloaded into vLLM in place "
+        "after each step), and every other name (older name@step, the base by name, other "
+        "models on the base) as a runtime LoRA of its difference from them. None: on a CPU, "
+        "where vLLM's LoRA kernels decode ~2x slower than merged weights (FIELD-NOTES, "
+        "benchmarks/vs_trl.py), and not on CUDA, where LoRA kernels cost little and a merge "
+        "reloads the whole model each step. Where vLLM computes in bf16, W + BA is rounded to "
+        "bf16, which delays updates smaller than half a bf16 step of W (watch "
         "sampler_trainer_prob_diff; a float32 server gets float32 merged weights)."))
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))

@@ -11,8 +11,8 @@ One step = 8 rollouts per prompt through the gateway, then `model.train` (LocalB
   backward           loss.backward (recomputing checkpointed layers) and the grad-norm clip
   optimizer          AdamW step
   save               adapter (safetensors, atomic rename) and optimizer moments
-  adapter load       vLLM loads the new adapter; the alias flips (publish). With --merged:
-                     the merge (W + BA written as safetensors) and vLLM's in-place reload
+  adapter load       vLLM's worker merges W + BA and reloads it in place, the alias flips
+                     (publish). With --lora: vLLM loads the new adapter as a runtime LoRA
   gate               closing the gate, draining, reopening, loggers: the rest of train()
 
 The rollout split is by mean per-request latency (requests run concurrently, so the wall time
@@ -28,7 +28,7 @@ own gradients are negligible), and decoding tokens/s <= min(batch x bandwidth / 
 GEMM FLOP/s / (2 x linear params)) on the engine's threads.
 
     .venv/bin/python benchmarks/step_profile.py [--model smollm2] [--max-tokens 64]
-        [--steps 3] [--merged] [--no-engine]
+        [--steps 3] [--lora] [--no-engine]
 
 `--no-engine` profiles only the trainer-side phases on synthetic groups (no vLLM is started).
 """
@@ -214,7 +214,7 @@ async def profile_with_engine(args: argparse.Namespace, timeline: Timeline
                 config=ModelConfig(lora=LoraConfig(target_modules=TARGET_MODULES),
                                    engine=EngineConfig(max_model_len=2048,
                                                        cpu_threads=args.engine_threads,
-                                                       serve_merged=args.merged)))
+                                                       serve_merged=False if args.lora else None)))
             await model.register(backend)
             engine = backend.gateway.models[model.name].engine
             client = model.openai_client()
@@ -372,8 +372,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engine-threads", type=int, default=1)
-    p.add_argument("--merged", action="store_true",
-                   help="serve merged weights (EngineConfig.serve_merged), not a runtime LoRA")
+    p.add_argument("--lora", action="store_true",
+                   help="serve a runtime LoRA (EngineConfig.serve_merged=False), not the default")
     p.add_argument("--no-engine", action="store_true",
                    help="trainer-side phases only, synthetic groups, no vLLM")
     args = p.parse_args()

@@ -3,15 +3,16 @@
 Each step of each system: `--groups` prompts x 8 completions of `--max-tokens` tokens (every
 completion runs to the limit, `--exact-length`, so both do the same work), a deterministic
 reward, one GRPO optimizer step on a LoRA adapter. Ours: rollouts through the gateway (vLLM),
-then `model.train` (journal, gate, train, save, hot-swap); `ours` serves the adapter as a vLLM
-runtime LoRA (the default), `ours-merged` as merged weights (`EngineConfig.serve_merged`). TRL: `GRPOTrainer` with a peft LoRA,
+then `model.train` (journal, gate, train, save, hot-swap); `ours` runs with the default
+settings (on a CPU the policy is served as merged weights, `EngineConfig.serve_merged`),
+`ours-lora` serves it as a vLLM runtime LoRA. TRL: `GRPOTrainer` with a peft LoRA,
 generating with `model.generate` (its default) or, with `--systems trl-vllm`, with vLLM
 colocated. Every (system, model, length) runs in its own subprocess, so peak RSS is its own
 (sampled over the whole process tree: our vLLM server counts). The first `--warmup` steps are
 not counted. Printed per system: median (min-max) of step wall time, generation time,
 training time, trained and sampled tokens/s over the full step, peak RSS; then per
 configuration the full-step throughput ratio ours/TRL. The last line is `ratio: X`: the
-smallest per-configuration ratio of ours-merged (of ours if ours-merged did not run); the goal,
+smallest per-configuration ratio of ours (of ours-lora if ours did not run); the goal,
 1.5, holds when X >= 1.5. The line before it gives each system's smallest ratio.
 
 Settings kept equal: base model, LoRA shape (r, alpha, dropout 0, target modules), prompts and
@@ -47,7 +48,7 @@ Settings that differ, and why:
   on CPU; when it fails, its row says so.
 
     .venv/bin/python benchmarks/vs_trl.py [--models smollm2 tiny-qwen3] [--max-tokens 64 256]
-        [--steps 3] [--warmup 1] [--systems trl ours ours-merged] [--quick]
+        [--steps 3] [--warmup 1] [--systems trl ours ours-lora] [--quick]
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ PROMPTS = [
     "Describe a city at night.", "Why do we sleep?", "What is friendship?", "How does rain form?",
 ]
 MODELS = ("smollm2", "tiny-qwen3")
-SYSTEMS = ("trl", "trl-vllm", "ours", "ours-merged")
-OURS = ("ours", "ours-merged")  # LoRA served by vLLM; merged weights (EngineConfig.serve_merged)
+SYSTEMS = ("trl", "trl-vllm", "ours", "ours-lora")
+OURS = ("ours-lora", "ours")  # runtime LoRA; the defaults (merged weights on a CPU). Last: the ratio
 RESULT_TAG = "RESULT "
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # --precision -> torch / vLLM dtype name
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -263,17 +264,18 @@ def run_trl(args: argparse.Namespace, use_vllm: bool) -> WorkerResult:
 # ---- ours ---------------------------------------------------------------------------------
 
 
-async def run_ours(args: argparse.Namespace, merged: bool = False) -> WorkerResult:
+async def run_ours(args: argparse.Namespace, lora: bool = False) -> WorkerResult:
     """LocalBackend: 8 rollouts per prompt through the gateway (all groups concurrently),
     then model.train. generation = the rollouts' wall time, training = model.train's.
-    `merged`: the engine serves merged weights (EngineConfig.serve_merged), not a LoRA."""
+    `lora`: the engine serves the policy as a runtime LoRA (serve_merged=False), not as the
+    default does."""
     import torch
 
     from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
     from art_core.config import EngineConfig, LoraConfig, ModelConfig
 
     torch.set_num_threads(args.threads)
-    result = WorkerResult("ours-merged" if merged else "ours", args.model, args.max_tokens)
+    result = WorkerResult("ours-lora" if lora else "ours", args.model, args.max_tokens)
     t_setup = time.perf_counter()
     path = model_path(args.model)
     extra: dict[str, Any] = {}  # no top_k: vLLM's default (off) matches TRL's top_k=0
@@ -294,7 +296,7 @@ async def run_ours(args: argparse.Namespace, merged: bool = False) -> WorkerResu
                     engine=EngineConfig(max_model_len=max(2048, args.max_tokens + 512),
                                         cpu_threads=args.engine_threads,
                                         dtype=DTYPES[args.precision],
-                                        serve_merged=merged)))
+                                        serve_merged=False if lora else None)))
             await model.register(backend)
             client = model.openai_client()
             result.setup_s = time.perf_counter() - t_setup
@@ -354,7 +356,7 @@ def throughput(result: dict[str, Any]) -> float | None:
 
 def format_report(results: list[dict[str, Any]]) -> list[str]:
     """The table, one ratio line per configuration and system of ours, then `ratio: X` last:
-    the smallest per-configuration ratio to TRL of ours-merged if it ran, else of ours."""
+    the smallest per-configuration ratio to TRL of ours if it ran, else of ours-lora."""
     header = f"{'model':<11} {'len':>4} {'system':<11}" + "".join(
         f" {h:>19}" for h, _, _ in COLUMNS) + f" {'peak RSS GiB':>12}"
     lines = [header, "-" * len(header)]
@@ -399,7 +401,7 @@ def worker(args: argparse.Namespace) -> None:
     with TreeRSS() as rss:
         try:
             if system.startswith("ours"):
-                result = asyncio.run(run_ours(args, merged=system == "ours-merged"))
+                result = asyncio.run(run_ours(args, lora=system == "ours-lora"))
             else:
                 result = run_trl(args, use_vllm=system == "trl-vllm")
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--max-tokens", nargs="+", type=int, default=[64, 256],
                    help="maximum (with --exact-length: exact) completion lengths")
-    p.add_argument("--systems", nargs="+", default=["trl", "ours", "ours-merged"],
+    p.add_argument("--systems", nargs="+", default=["trl", "ours", "ours-lora"],
                    choices=SYSTEMS)
     p.add_argument("--steps", type=int, default=3, help="counted steps per system")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not counted")

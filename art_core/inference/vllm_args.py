@@ -44,6 +44,13 @@ def served_dtype(config: EngineConfig, cuda: bool) -> str:
     return config.dtype
 
 
+def merged_serving(config: EngineConfig, cuda: bool) -> bool:
+    """Whether the engine serves the policy as merged weights: `serve_merged`, where None means
+    on a CPU (vLLM-CPU's LoRA kernels decode ~2x slower than merged weights) and not on CUDA
+    (its LoRA kernels cost little, and merging would round every step's update into bf16)."""
+    return (not cuda) if config.serve_merged is None else config.serve_merged
+
+
 def vllm_rank(rank: int) -> int:
     """vLLM accepts only some max-lora-rank values: round up to the next one."""
     for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
@@ -64,7 +71,7 @@ def vllm_command(model_path: str, served_name: str, port: int, config: EngineCon
         "--dtype", served_dtype(c, cuda), "--disable-uvicorn-access-log",
         "--load-format", "safetensors",
     ]
-    if c.serve_merged:  # the in-place merged reload runs in vLLM's worker
+    if merged_serving(c, cuda):  # the in-place merged reload runs in vLLM's worker
         args += ["--worker-extension-cls", "art_core.inference.vllm_worker.MergedLoraWorker"]
     # runtime LoRA in both modes: beside merged weights it serves every other name as a delta
     args += ["--enable-lora", "--max-lora-rank", str(vllm_rank(max_lora_rank)),
@@ -94,7 +101,7 @@ def vllm_environment(config: EngineConfig, cuda: bool) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if config.serve_merged:
+    if merged_serving(config, cuda):
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc and /reset_prefix_cache
     if cuda:
         if config.sleep_while_training:

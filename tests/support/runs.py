@@ -36,6 +36,7 @@ class StubEngine:
         self.max_lora_rank = 8
         self.state = "ready"
         self.loads: list[str] = []
+        self.serve_merged, self.merged = False, None
 
     def start(self) -> None: ...
 
@@ -45,11 +46,12 @@ class StubEngine:
 
     def stop(self) -> None: ...
 
-    def check_merged_owner(self, model_name: str) -> None: ...
-
-    def load_adapter(self, name: str, path: Path) -> None:
+    def load_adapter(self, name: str, path: Path, *, latest: bool = False) -> None:
         self.loads.append(name)
         self.adapters[name] = Path(path)
+
+    def upstream_name(self, name: str | None = None) -> str:
+        return name or self.served_name
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)

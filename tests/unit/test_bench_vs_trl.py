@@ -45,17 +45,17 @@ def test_report_table_ratios_and_last_line() -> None:
     assert lines[-1] == "ratio: 1.50"  # the smallest configuration's ratio
 
 
-def test_the_last_line_is_the_merged_system_when_it_ran() -> None:
+def test_the_last_line_is_the_default_system_when_it_ran() -> None:
     bench = load_bench()
     lines = bench.format_report([
-        result("trl", 64, [8.0], 512), result("ours", 64, [16.0], 512),
-        result("ours-merged", 64, [4.0], 512),
-        result("trl", 256, [30.0], 2048), result("ours", 256, [40.0], 2048),
-        result("ours-merged", 256, [24.0], 2048),
+        result("trl", 64, [8.0], 512), result("ours-lora", 64, [16.0], 512),
+        result("ours", 64, [4.0], 512),
+        result("trl", 256, [30.0], 2048), result("ours-lora", 256, [40.0], 2048),
+        result("ours", 256, [24.0], 2048),
     ])
-    assert "ours-merged/trl: full-step throughput x2.00" in "\n".join(lines)
-    assert lines[-2] == "smallest ratio to trl: ours 0.50, ours-merged 1.25 (the last line is " \
-                        "ours-merged)"
+    assert "ours/trl: full-step throughput x2.00" in "\n".join(lines)
+    assert lines[-2] == "smallest ratio to trl: ours-lora 0.50, ours 1.25 (the last line is " \
+                        "ours)"
     assert lines[-1] == "ratio: 1.25"
 
 

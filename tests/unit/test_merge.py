@@ -157,7 +157,8 @@ def test_a_float32_merge_keeps_the_delta_that_bf16_rounds_away(tmp_path):
     assert errors[0] < 1e-4 and errors[0] < errors[1] / 10, errors
 
 
-def _logits(model_dir, adapter=None, ids=torch.tensor([[1, 5, 9, 17, 33, 2, 8, 40]])):
+def _logits(model_dir, adapter=None):
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2, 8, 40]])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter))

@@ -64,17 +64,17 @@ REPO = Path(__file__).resolve().parents[2]
 def _failing_loads(engine: StubEngine, model_name: str) -> None:
     original = engine.load_adapter
 
-    def load_adapter(name: str, path: Path) -> None:
+    def load_adapter(name: str, path: Path, *, latest: bool = False) -> None:
         if name.startswith(model_name + "@"):
             raise EngineError("vLLM /v1/load_lora_adapter failed (500): out of memory")
-        original(name, path)
+        original(name, path, latest=latest)
 
     engine.load_adapter = load_adapter  # type: ignore[method-assign]
 
 
 REFUSED = [  # (id, model config, error, what its message names)
     ("serve_merged", ModelConfig(engine=EngineConfig(serve_merged=True)), ValueError,
-     "engine.serve_merged=True (running: False)"),
+     "engine.serve_merged=True (running: None)"),
     ("max_model_len", ModelConfig(engine=EngineConfig(max_model_len=1024)), ValueError,
      "engine.max_model_len=1024 (running: 4096)"),
     ("rank", ModelConfig(lora=LoraConfig(rank=16, alpha=32)), ValueError, "LoRA rank 16"),
@@ -219,8 +219,9 @@ class _UnloadableEngine:
     def __init__(self) -> None:
         self.served_name, self.config, self.state = "base", EngineConfig(), "ready"
         self.adapters: dict[str, str] = {}
+        self.serve_merged, self.merged = False, None
 
-    def load_adapter(self, name: str, path: Path) -> None:
+    def load_adapter(self, name: str, path: Path, *, latest: bool = False) -> None:
         raise EngineError("vLLM /v1/load_lora_adapter failed (500): no free LoRA slot")
 
     def unload_adapter(self, name: str) -> None: ...

@@ -1,0 +1,517 @@
+"""A multi-turn tool-calling RL step, ours against TRL's GRPOTrainer: the same agent task, one run.
+
+The task is the demo's (art_langgraph/demo.py): made-up countries, a `lookup_country` tool that
+returns a country's record, the demo's system prompt and two worked examples before the question.
+`--task single`: "What is the currency of X?", a lookup and an answer (<= 2 model calls).
+`--task multi` (default): "Which has the larger population, A or B?" or "What are the currencies
+of A and B?", two lookups and an answer (<= 3 model calls). Reward, from the demo's world data:
+0.8 x correct + 0.2 x share of the question's countries looked up; correct = single: the
+demo's rule; larger: the first of the two countries the answer names is the more populous;
+currencies: both named. Each step: `--groups` questions x 8 episodes, one GRPO step on a LoRA.
+
+- trl: `GRPOTrainer(tools=[lookup_country], max_tool_calling_iterations=lookups)`, peft LoRA,
+  generating with `model.generate` (its vLLM server mode needs NCCL); it runs the tool loop
+  itself, token in and token out, tool results masked out of the loss.
+- ours: a LangGraph StateGraph (model -> ToolNode -> model, as the demo's `build_agent`) through
+  our gateway, made trainable by `TrajectoryRecorder`, `TrainableModel` + `LocalBackend`. Its
+  first `lookups` turns are forced calls (`tool_choice="required"`, as the demo). `ours`: default
+  `ModelConfig()`; `ours-lora` / `ours-merged`: `EngineConfig(serve_merged=False / True)`;
+  `--cpu-threads N` sets `EngineConfig.cpu_threads` for all three.
+
+Kept equal, as in vs_trl.py: base model, prompts and their order, group size 8, the tool schema
+(transformers' `get_json_schema` of the function, which TRL renders; bound to the LangGraph model
+as that dict), per-turn max tokens, temperature (the demo's 0.7) with top-p 1 and no top-k, the
+turn cap, LoRA shape (our `LoraConfig()` defaults), learning rate, CISPO capped at 5 and no KL,
+group-std scaling, grad clipping, micro-batch, gradient checkpointing, precision.
+Differs: TRL has no `tool_choice`, so SmolLM2 calls the tool there only when it chooses to and
+TRL's episodes may be shorter (see `calls/ep`: the work per step differs with it). TRL's
+`max_completion_length` caps a whole episode: it is set to calls x max tokens + 64 per tool
+result, and `max_new_tokens` caps each turn. Loss normalisation, zero-variance groups and the
+work outside the step (journal, save, load the adapter) differ as vs_trl.py says.
+
+One subprocess per system (vs_trl.py's pattern, peak RSS over the process tree). Printed per
+system, median (min-max) over `--steps` steps after `--warmup`: step, rollout and train seconds,
+model calls per episode, sampled tokens/s (over the full step), trained tokens per step, reward;
+peak RSS. Last line: `ratio: X` = TRL's median step time / `ours`'s.
+
+    .venv/bin/python benchmarks/vs_trl_agent.py [--task multi|single] [--steps 3] [--warmup 1]
+        [--systems trl ours ours-lora ours-merged] [--cpu-threads N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from langchain_core.messages import AIMessage, ToolMessage  # noqa: E402
+from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
+from langgraph.prebuilt import ToolNode  # noqa: E402
+
+from art_langgraph import demo  # noqa: E402
+from benchmarks.vs_trl import (  # noqa: E402
+    DTYPES,
+    GROUP_SIZE,
+    RESULT_TAG,
+    StepRecord,
+    TreeRSS,
+    WorkerResult,
+    model_path,
+    per_step,
+)
+
+SYSTEMS = ("trl", "ours", "ours-lora", "ours-merged")
+LOOKUPS = {"single": 1, "multi": 2}  # tool calls an episode needs; the answer is one more call
+TOOL_RESULT_TOKENS = 64  # room per tool result in TRL's whole-episode max_completion_length
+
+
+# ---- the task -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "field" (single), "larger" or "currencies" (multi)
+    countries: tuple[str, ...]
+    field: str = ""
+
+    @property
+    def text(self) -> str:  # demo.prompt(q) reads only q.text
+        a = self.countries[0]
+        if self.kind == "field":
+            return f"What is the {self.field} of {a}?"
+        b = self.countries[1]
+        if self.kind == "larger":
+            return f"Which has the larger population, {a} or {b}?"
+        return f"What are the currencies of {a} and {b}?"
+
+
+def all_tasks(task: str) -> list[Task]:
+    """The training questions in a fixed order (the demo's training countries)."""
+    if task == "single":
+        return [Task("field", (q.country,), q.field) for q in demo.questions(demo.TRAIN_COUNTRIES)]
+    countries, out = demo.TRAIN_COUNTRIES, []
+    for i, a in enumerate(countries):
+        b = countries[(i + 5) % len(countries)]
+        kind = "larger" if i % 2 == 0 else "currencies"
+        if kind == "larger" and population(a) == population(b):
+            kind = "currencies"
+        out.append(Task(kind, (a, b)))
+    return out
+
+
+def step_tasks(task: str, step: int, groups: int) -> list[Task]:
+    """The questions of step `step`, identical for every system."""
+    tasks = all_tasks(task)
+    return [tasks[(step * groups + g) % len(tasks)] for g in range(groups)]
+
+
+def population(country: str) -> int:
+    return int(demo.WORLD[country]["population"].split()[0])
+
+
+def score(task: Task, looked_up: list[str], answer: str) -> float:
+    """The episode's reward from the countries it looked up and its final answer text."""
+    found = sum(c in looked_up for c in task.countries) / len(task.countries)
+    text = answer.lower()
+    if task.kind == "field":
+        record = demo.WORLD[task.countries[0]]
+        correct = record[task.field].lower() in text and not any(
+            v.lower() in text for f, v in record.items() if f != task.field)
+    elif task.kind == "currencies":
+        correct = all(demo.WORLD[c]["currency"].lower() in text for c in task.countries)
+    else:
+        named = [c for c in task.countries if c.lower() in text]
+        correct = bool(named) and min(named, key=lambda c: text.find(c.lower())) == max(
+            task.countries, key=population)
+    return 0.8 * correct + 0.2 * found
+
+
+def lookup_country(country: str):  # no return annotation: the schema stays the wire's
+    """Look up a country's record: its capital, currency and population.
+
+    Args:
+        country: The country's name.
+    """
+    return demo.lookup_country.func(country)
+
+
+def tool_schema() -> dict[str, Any]:
+    """The tool as TRL renders it for the callable, so both systems' prompts carry the same one."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(lookup_country)
+
+
+# ---- TRL ----------------------------------------------------------------------------------
+
+
+def trl_episode(completion: list[dict[str, Any]]) -> tuple[list[str], str, int]:
+    """(countries looked up, final answer, model calls) of one TRL completion: its messages
+    are the parsed assistant turns with the tool results between them."""
+    turns = [m for m in completion if m.get("role") == "assistant"]
+    looked_up = [str(a.get("country", "")).strip() for m in turns for c in m.get("tool_calls") or []
+                 if isinstance(a := c.get("function", {}).get("arguments"), dict)]
+    last = turns[-1] if turns else {}
+    answer = "" if last.get("tool_calls") else str(last.get("content") or "")
+    return looked_up, answer, len(turns)
+
+
+def run_trl(args: argparse.Namespace) -> WorkerResult:
+    """GRPOTrainer with tools and a peft LoRA; phases timed as in vs_trl.py: rollout = step
+    begin -> reward computed (right after the tool loop), train = reward -> next step begin."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from art_core.config import LoraConfig as OurLora
+    from art_langgraph.messages import to_openai_message
+
+    torch.set_num_threads(args.threads)
+    result = AgentResult("trl", "smollm2", args.max_tokens, task=args.task)
+    t_setup = time.perf_counter()
+    path = model_path("smollm2")
+    # The embedded model's template is art_core's chatml_tools.jinja (hermes layout), which TRL
+    # does not know (add_response_schema would raise): its Qwen3 response template parses the
+    # same layout, `<tool_call>{json}</tool_call>` after "<|im_start|>assistant\n".
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.response_template = qwen3_template
+    total, lookups = args.warmup + args.steps, LOOKUPS[args.task]
+    tasks = [t for s in range(total) for t in step_tasks(args.task, s, args.groups)]
+    rows = [{"prompt": [to_openai_message(m) for m in demo.prompt(t)], "task_id": i}
+            for i, t in enumerate(tasks)]
+    batch = args.groups * GROUP_SIZE
+    if batch % args.micro_batch:
+        raise SystemExit(f"--micro-batch must divide {batch}")
+    marks: dict[str, list[float]] = {"begin": [], "reward": [], "end": []}
+    per_gen: list[dict[str, float]] = []  # one per generation batch (= optimizer step)
+    sampled: list[float] = []
+
+    def reward(prompts: list[Any], completions: list[Any], task_id: list[int], **_: Any
+               ) -> list[float]:
+        episodes = [trl_episode(c) for c in completions]
+        if args.verbose:  # what the model wrote, on the worker's stderr
+            for c in completions:
+                print("trl completion:", json.dumps(c)[:400], file=sys.stderr)
+        out = [score(tasks[i], seen, answer) for i, (seen, answer, _) in zip(task_id, episodes, strict=True)]
+        per_gen.append({"calls": statistics.mean(n for *_, n in episodes),
+                        "reward": statistics.mean(out)})
+        marks["reward"].append(time.perf_counter())
+        return out
+
+    class Phases(TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            marks["begin"].append(time.perf_counter())
+
+        def on_log(self, *a: Any, logs: dict[str, float] | None = None, **k: Any) -> None:
+            if logs and "completions/mean_length" in logs:  # model tokens only (tool mask)
+                sampled.append(logs["completions/mean_length"] * batch)
+
+        def on_train_end(self, *a: Any, **k: Any) -> None:
+            marks["end"].append(time.perf_counter())
+
+    ours_lora = OurLora()
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=args.precision == "bf16", seed=0,
+            report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
+            max_steps=total, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+            per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=batch // args.micro_batch,
+            num_generations=GROUP_SIZE,
+            max_completion_length=(lookups + 1) * args.max_tokens + lookups * TOOL_RESULT_TOKENS,
+            generation_kwargs={"max_new_tokens": args.max_tokens},  # per turn
+            max_tool_calling_iterations=lookups,
+            temperature=args.temperature, top_p=1.0, top_k=0,
+            loss_type="cispo", epsilon_high=5.0, beta=0.0, scale_rewards="group",
+            num_iterations=1, shuffle_dataset=False, gradient_checkpointing=args.checkpointing,
+            model_init_kwargs={"dtype": DTYPES[args.precision]}, dataloader_num_workers=0,
+        )
+        lora = LoraConfig(r=ours_lora.rank, lora_alpha=ours_lora.alpha,
+                          lora_dropout=ours_lora.dropout, target_modules=ours_lora.target_modules,
+                          bias="none", task_type="CAUSAL_LM")
+        trainer = GRPOTrainer(model=path, reward_funcs=[reward], args=config,
+                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                              peft_config=lora, tools=[lookup_country], callbacks=[Phases()])
+        result.setup_s = time.perf_counter() - t_setup
+        trainer.train()
+    edges = marks["begin"] + marks["end"]
+    for i in range(args.warmup, total):
+        begin, reward_at, nxt = marks["begin"][i], marks["reward"][i], edges[i + 1]
+        n = int(sampled[i]) if i < len(sampled) else 0
+        result.steps.append(AgentStep(step_s=nxt - begin, gen_s=reward_at - begin,
+                                      train_s=nxt - reward_at, sampled_tokens=n,
+                                      trained_tokens=n, **per_gen[i]))  # TRL trains every one
+    return result
+
+
+# ---- ours ---------------------------------------------------------------------------------
+
+
+def build_agent(llm: Any, lookups: int) -> Any:
+    """model -> tools -> model, as the demo's build_agent: the first `lookups` turns must call
+    the tool, at most `lookups + 1` model turns (TRL's max_tool_calling_iterations + 1)."""
+    schema = tool_schema()
+    must_call = llm.bind_tools([schema], tool_choice="required")
+    may_call = llm.bind_tools([schema])
+
+    async def agent(state: MessagesState) -> dict[str, Any]:
+        done = sum(isinstance(m, ToolMessage) for m in demo.this_question(state["messages"]))
+        llm = must_call if done < lookups else may_call
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    def next_step(state: MessagesState) -> str:
+        turns = sum(isinstance(m, AIMessage) for m in demo.this_question(state["messages"]))
+        return "tools" if state["messages"][-1].tool_calls and turns <= lookups else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([demo.lookup_country]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", next_step, ["tools", END])
+    graph.add_edge("tools", "agent")
+    return graph.compile()
+
+
+def final_state_episode(messages: list[Any]) -> tuple[list[str], str]:
+    """(countries looked up, final answer) from the graph's final messages."""
+    turns = [m for m in demo.this_question(messages) if isinstance(m, AIMessage)]
+    looked_up = [str((c["args"] or {}).get("country", "")).strip()
+                 for m in turns for c in m.tool_calls]
+    last = turns[-1] if turns else None
+    return looked_up, "" if last is None or last.tool_calls else str(last.content)
+
+
+async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
+    """LocalBackend: every episode of the step concurrently through the gateway, recorded by
+    TrajectoryRecorder, then model.train. rollout = the episodes' wall time, train = train's."""
+    import torch
+
+    from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
+    from art_core.config import EngineConfig, ModelConfig
+    from art_langgraph.chat_model import init_chat_model
+    from art_langgraph.recorder import TrajectoryRecorder
+
+    torch.set_num_threads(args.threads)
+    result = AgentResult(system, "smollm2", args.max_tokens, task=args.task)
+    t_setup = time.perf_counter()
+    engine: dict[str, Any] = {}  # `ours`: the defaults, which are what is being raced
+    if system != "ours":
+        engine["serve_merged"] = system == "ours-merged"
+    if args.cpu_threads:
+        engine["cpu_threads"] = args.cpu_threads
+    if args.precision_set:  # an explicit --precision; else dtype "auto" picks as vs_trl.py does
+        engine["dtype"] = DTYPES[args.precision]
+    config = TrainConfig(learning_rate=args.learning_rate, loss="cispo", epsilon_high=4.0,
+                         kl_coef=0.0, scale_rewards=True, max_grad_norm=1.0, weight_decay=0.0,
+                         micro_batch_size=args.micro_batch,
+                         gradient_checkpointing=args.checkpointing,
+                         bf16=args.precision == "bf16")
+    lookups = LOOKUPS[args.task]
+    with tempfile.TemporaryDirectory() as root:
+        async with LocalBackend(root) as backend:
+            model = TrainableModel(name="agent", project="bench", base_model=model_path("smollm2"),
+                                   config=ModelConfig(engine=EngineConfig(**engine)))
+            await model.register(backend)
+            graph = build_agent(init_chat_model(model, max_tokens=args.max_tokens,
+                                                temperature=args.temperature, top_p=1.0), lookups)
+            result.setup_s = time.perf_counter() - t_setup
+
+            async def episode(task: Task) -> Any:
+                def reward(state: dict[str, Any]) -> float:
+                    return score(task, *final_state_episode(state["messages"]))
+
+                recorder = TrajectoryRecorder(reward=reward)
+                await graph.ainvoke({"messages": demo.prompt(task)},  # type: ignore[arg-type]
+                                    config={"callbacks": [recorder]})
+                return await recorder.afinish()
+
+            for step in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                done = await asyncio.gather(*[episode(t) for t in
+                                              step_tasks(args.task, step, args.groups)
+                                              for _ in range(GROUP_SIZE)])
+                groups = [TrajectoryGroup(trajectories=list(done[g:g + GROUP_SIZE]))
+                          for g in range(0, len(done), GROUP_SIZE)]
+                t1 = time.perf_counter()
+                trained = await model.train(groups, config)
+                t2 = time.perf_counter()
+                if step >= args.warmup:
+                    result.steps.append(AgentStep(
+                        step_s=t2 - t0, gen_s=t1 - t0, train_s=t2 - t1,
+                        sampled_tokens=sum(len(turn.completion_token_ids)
+                                           for t in done for turn in t.turns),
+                        trained_tokens=int(trained.metrics.get("trained_tokens", 0)),
+                        calls=statistics.mean(len(t.turns) for t in done),
+                        reward=statistics.mean(float(t.reward or 0.0) for t in done)))
+    return result
+
+
+# ---- records, report, orchestration -------------------------------------------------------
+
+
+@dataclass
+class AgentStep(StepRecord):
+    calls: float = 0.0  # model calls per episode, mean over the step's episodes
+    reward: float = 0.0
+
+
+@dataclass
+class AgentResult(WorkerResult):
+    task: str = "multi"
+
+
+COLUMNS = [  # (header, key, format)
+    ("step s", "step_s", "{:.2f}"), ("rollout s", "gen_s", "{:.2f}"),
+    ("train s", "train_s", "{:.2f}"), ("calls/ep", "calls", "{:.2f}"),
+    ("sampled tok/s", "sampled_tps", "{:.0f}"), ("trained tok/step", "trained_tokens", "{:.0f}"),
+    ("reward", "reward", "{:.2f}"),
+]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
+    """metric -> (median, min, max) over the counted steps (vs_trl.py's per-step metrics and
+    the agent's own)."""
+    rows = [{**per_step(r), "calls": r["calls"], "reward": r["reward"],
+             "trained_tokens": r["trained_tokens"]} for r in result["steps"]]
+    return {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows),
+                max(r[k] for r in rows)) for k in rows[0]} if rows else {}
+
+
+def format_report(results: list[dict[str, Any]]) -> list[str]:
+    header = f"{'system':<12}" + "".join(f" {h:>19}" for h, _, _ in COLUMNS) + " peak RSS GiB"
+    lines, medians = [header, "-" * len(header)], {}
+    for r in results:
+        s = summarize(r)
+        if r.get("error") or not s:
+            lines.append(f"{r['system']:<12} failed: {r.get('error') or 'no steps counted'}")
+            continue
+        medians[r["system"]] = s
+        lines.append(f"{r['system']:<12}" + "".join(
+            f" {fmt.format(s[k][0]) + ' (' + fmt.format(s[k][1]) + '-' + fmt.format(s[k][2]) + ')':>19}"
+            for _, k, fmt in COLUMNS) + f" {r['peak_rss_gib']:>12.2f}")
+    trl = medians.get("trl")
+    for mine in [m for m in SYSTEMS[1:] if m in medians and trl]:
+        ours = medians[mine]
+        lines.append(f"trl/{mine}: step time x{trl['step_s'][0] / ours['step_s'][0]:.2f} "
+                     f"(model calls per episode: trl {trl['calls'][0]:.2f}, "
+                     f"{mine} {ours['calls'][0]:.2f})")
+    if trl and "ours" in medians:
+        return [*lines, f"ratio: {trl['step_s'][0] / medians['ours']['step_s'][0]:.2f}"]
+    return [*lines, "ratio: n/a"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    with TreeRSS() as rss:
+        try:
+            result = (run_trl(args) if args.worker == "trl"
+                      else asyncio.run(run_ours(args, args.worker)))
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            result = AgentResult(args.worker, "smollm2", args.max_tokens, task=args.task,
+                                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    result.peak_rss_gib = rss.gib
+    print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
+
+
+def run_worker(args: argparse.Namespace, system: str) -> dict[str, Any]:
+    """vs_trl.py's pattern: one subprocess per system, its result on a tagged stdout line."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
+           "--settings", json.dumps(vars(args))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        out, err = p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = f"timed out after {args.timeout} s"
+    found = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
+    if found:
+        result = json.loads(found[-1][len(RESULT_TAG):])
+    else:
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        result = asdict(AgentResult(system, "smollm2", args.max_tokens, task=args.task,
+                                    error=tail[0][:200]))
+    if args.verbose and err:
+        print(err[-4000:], file=sys.stderr)
+    print(f"  {system:<12}: {time.perf_counter() - t0:.0f} s (set-up {result['setup_s']:.0f} s)"
+          + (f"  ({result['error']})" if result.get("error") else ""), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=list(LOOKUPS), default="multi",
+                   help="single: 1 lookup + answer; multi: 2 lookups + a comparison answer")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                   help="default: all four (--quick: trl ours)")
+    p.add_argument("--steps", type=int, default=3, help="counted steps per system")
+    p.add_argument("--warmup", type=int, default=1, help="steps run first and not counted")
+    p.add_argument("--groups", type=int, default=1, help="questions per step (x 8 episodes)")
+    p.add_argument("--max-tokens", type=int, default=demo.MAX_TOKENS,
+                   help="maximum tokens per model call (turn)")
+    p.add_argument("--temperature", type=float, default=demo.TEMPERATURE)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of both trainers (and TRL's generate)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="EngineConfig.cpu_threads for our systems (default: its default)")
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                   help="gradient checkpointing off in both trainers")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="both systems: auto = bf16 where the CPU has native bf16, else fp32")
+    p.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke setting: 0 warm-up + 1 step, systems trl and ours")
+    p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--settings", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        settings = {**json.loads(args.settings), "worker": args.worker}
+        worker(argparse.Namespace(**settings))
+        return
+    args.precision_set = args.precision != "auto"
+    if args.precision == "auto":
+        from art_core.host import cpu_supports_bf16
+
+        args.precision = "bf16" if cpu_supports_bf16() else "fp32"
+    if args.quick:
+        args.steps, args.warmup = 1, 0
+        args.systems = args.systems or ["trl", "ours"]
+    args.systems = args.systems or list(SYSTEMS)
+    if args.steps < 1 or args.warmup < 0 or args.groups < 1 or args.max_tokens < 1:
+        p.error("--steps, --groups and --max-tokens must be >= 1, --warmup >= 0")
+    lookups = LOOKUPS[args.task]
+    print(f"task {args.task}: {lookups} lookup(s) + an answer, at most {lookups + 1} model "
+          f"calls of {args.max_tokens} tokens, temperature {args.temperature}; {args.groups} "
+          f"question(s) x {GROUP_SIZE} episodes per step, {args.warmup} warm-up + {args.steps} "
+          f"counted steps; threads {args.threads}, our engine threads "
+          f"{args.cpu_threads or 'default'}, lr {args.learning_rate}, micro-batch "
+          f"{args.micro_batch}, checkpointing {args.checkpointing}, precision {args.precision}",
+          flush=True)
+    results = [run_worker(args, system) for system in args.systems]
+    print()
+    for line in format_report(results):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
