@@ -6,8 +6,9 @@ returns a country's record, the demo's system prompt and two worked examples bef
 `--task multi` (default): "Which has the larger population, A or B?" or "What are the currencies
 of A and B?", two lookups and an answer (<= 3 model calls). Reward, from the demo's world data:
 0.8 x correct + 0.2 x share of the question's countries looked up; correct = single: the
-demo's rule; larger: the first of the two countries the answer names is the more populous;
-currencies: both named. Each step: `--groups` questions x 8 episodes, one GRPO step on a LoRA.
+demo's rule; larger: the first of the two countries the answer names is the more populous, and
+its population is given; currencies: both named. Each step: `--groups` questions x 8 episodes,
+one GRPO step on a LoRA.
 
 - trl: `GRPOTrainer(tools=[lookup_country], max_tool_calling_iterations=lookups)`, peft LoRA,
   generating with `model.generate` (its vLLM server mode needs NCCL); it runs the tool loop
@@ -22,7 +23,7 @@ Kept equal, as in vs_trl.py: base model, prompts and their order, group size 8, 
 (transformers' `get_json_schema` of the function, which TRL renders; bound to the LangGraph model
 as that dict), per-turn max tokens, temperature (the demo's 0.7) with top-p 1 and no top-k, the
 turn cap, LoRA shape (our `LoraConfig()` defaults), learning rate, CISPO capped at 5 and no KL,
-group-std scaling, grad clipping, micro-batch, gradient checkpointing, precision.
+group-std scaling, grad clipping, micro-batch, gradient checkpointing (on), precision.
 Differs: TRL has no `tool_choice`, so SmolLM2 calls the tool there only when it chooses to and
 TRL's episodes may be shorter (see `calls/ep`: the work per step differs with it). TRL's
 `max_completion_length` caps a whole episode: it is set to calls x max tokens + 64 per tool
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -61,17 +63,9 @@ from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from langgraph.prebuilt import ToolNode  # noqa: E402
 
 from art_langgraph import demo  # noqa: E402
-from benchmarks.vs_trl import (  # noqa: E402
-    DTYPES,
-    GROUP_SIZE,
-    RESULT_TAG,
-    StepRecord,
-    TreeRSS,
-    WorkerResult,
-    model_path,
-    per_step,
-)
+from benchmarks import vs_trl  # noqa: E402 - its helpers: TreeRSS, records, model_path, ...
 
+GROUP_SIZE = vs_trl.GROUP_SIZE
 SYSTEMS = ("trl", "ours", "ours-lora", "ours-merged")
 LOOKUPS = {"single": 1, "multi": 2}  # tool calls an episode needs; the answer is one more call
 TOOL_RESULT_TOKENS = 64  # room per tool result in TRL's whole-episode max_completion_length
@@ -88,13 +82,10 @@ class Task:
 
     @property
     def text(self) -> str:  # demo.prompt(q) reads only q.text
-        a = self.countries[0]
-        if self.kind == "field":
-            return f"What is the {self.field} of {a}?"
-        b = self.countries[1]
-        if self.kind == "larger":
-            return f"Which has the larger population, {a} or {b}?"
-        return f"What are the currencies of {a} and {b}?"
+        a, b = self.countries[0], self.countries[-1]
+        return {"field": f"What is the {self.field} of {a}?",
+                "larger": f"Which has the larger population, {a} or {b}?",
+                "currencies": f"What are the currencies of {a} and {b}?"}[self.kind]
 
 
 def all_tasks(task: str) -> list[Task]:
@@ -132,10 +123,26 @@ def score(task: Task, looked_up: list[str], answer: str) -> float:
     elif task.kind == "currencies":
         correct = all(demo.WORLD[c]["currency"].lower() in text for c in task.countries)
     else:
-        named = [c for c in task.countries if c.lower() in text]
-        correct = bool(named) and min(named, key=lambda c: text.find(c.lower())) == max(
-            task.countries, key=population)
+        named = [c for c in task.countries if c.lower() in text]  # first: the one it picks
+        winner = max(task.countries, key=population)
+        correct = bool(named) and min(named, key=lambda c: text.find(c.lower())) == winner \
+            and demo.WORLD[winner]["population"] in text  # with its figure: not a coin toss
     return 0.8 * correct + 0.2 * found
+
+
+def episode(messages: list[dict[str, Any]]) -> tuple[list[str], str, int]:
+    """(countries looked up, final answer, model calls) from an episode's messages after the
+    question, OpenAI format: TRL's parsed completion (arguments a dict), or ours (a string)."""
+    turns = [m for m in messages if m.get("role") == "assistant"]
+    looked_up = []
+    for call in (c for m in turns for c in m.get("tool_calls") or []):
+        args = call.get("function", {}).get("arguments")
+        with contextlib.suppress(ValueError):
+            args = json.loads(args) if isinstance(args, str) else args
+        if isinstance(args, dict):
+            looked_up.append(str(args.get("country", "")).strip())
+    last = turns[-1] if turns else {}
+    return looked_up, "" if last.get("tool_calls") else str(last.get("content") or ""), len(turns)
 
 
 def lookup_country(country: str):  # no return annotation: the schema stays the wire's
@@ -147,28 +154,10 @@ def lookup_country(country: str):  # no return annotation: the schema stays the 
     return demo.lookup_country.func(country)
 
 
-def tool_schema() -> dict[str, Any]:
-    """The tool as TRL renders it for the callable, so both systems' prompts carry the same one."""
-    from transformers.utils import get_json_schema
-
-    return get_json_schema(lookup_country)
-
-
 # ---- TRL ----------------------------------------------------------------------------------
 
 
-def trl_episode(completion: list[dict[str, Any]]) -> tuple[list[str], str, int]:
-    """(countries looked up, final answer, model calls) of one TRL completion: its messages
-    are the parsed assistant turns with the tool results between them."""
-    turns = [m for m in completion if m.get("role") == "assistant"]
-    looked_up = [str(a.get("country", "")).strip() for m in turns for c in m.get("tool_calls") or []
-                 if isinstance(a := c.get("function", {}).get("arguments"), dict)]
-    last = turns[-1] if turns else {}
-    answer = "" if last.get("tool_calls") else str(last.get("content") or "")
-    return looked_up, answer, len(turns)
-
-
-def run_trl(args: argparse.Namespace) -> WorkerResult:
+def run_trl(args: argparse.Namespace) -> vs_trl.WorkerResult:
     """GRPOTrainer with tools and a peft LoRA; phases timed as in vs_trl.py: rollout = step
     begin -> reward computed (right after the tool loop), train = reward -> next step begin."""
     import torch
@@ -182,9 +171,8 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
     from art_langgraph.messages import to_openai_message
 
     torch.set_num_threads(args.threads)
-    result = AgentResult("trl", "smollm2", args.max_tokens, task=args.task)
-    t_setup = time.perf_counter()
-    path = model_path("smollm2")
+    result, t_setup = vs_trl.WorkerResult("trl", "smollm2", args.max_tokens), time.perf_counter()
+    path = vs_trl.model_path("smollm2")
     # The embedded model's template is art_core's chatml_tools.jinja (hermes layout), which TRL
     # does not know (add_response_schema would raise): its Qwen3 response template parses the
     # same layout, `<tool_call>{json}</tool_call>` after "<|im_start|>assistant\n".
@@ -195,19 +183,18 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
     rows = [{"prompt": [to_openai_message(m) for m in demo.prompt(t)], "task_id": i}
             for i, t in enumerate(tasks)]
     batch = args.groups * GROUP_SIZE
-    if batch % args.micro_batch:
-        raise SystemExit(f"--micro-batch must divide {batch}")
     marks: dict[str, list[float]] = {"begin": [], "reward": [], "end": []}
     per_gen: list[dict[str, float]] = []  # one per generation batch (= optimizer step)
-    sampled: list[float] = []
+    sampled: list[float] = []  # model tokens per step (TRL's tool-masked completion length)
 
     def reward(prompts: list[Any], completions: list[Any], task_id: list[int], **_: Any
                ) -> list[float]:
-        episodes = [trl_episode(c) for c in completions]
+        episodes = [episode(c) for c in completions]
         if args.verbose:  # what the model wrote, on the worker's stderr
             for c in completions:
                 print("trl completion:", json.dumps(c)[:400], file=sys.stderr)
-        out = [score(tasks[i], seen, answer) for i, (seen, answer, _) in zip(task_id, episodes, strict=True)]
+        out = [score(tasks[i], seen, answer)
+               for i, (seen, answer, _) in zip(task_id, episodes, strict=True)]
         per_gen.append({"calls": statistics.mean(n for *_, n in episodes),
                         "reward": statistics.mean(out)})
         marks["reward"].append(time.perf_counter())
@@ -218,13 +205,13 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
             marks["begin"].append(time.perf_counter())
 
         def on_log(self, *a: Any, logs: dict[str, float] | None = None, **k: Any) -> None:
-            if logs and "completions/mean_length" in logs:  # model tokens only (tool mask)
+            if logs and "completions/mean_length" in logs:
                 sampled.append(logs["completions/mean_length"] * batch)
 
         def on_train_end(self, *a: Any, **k: Any) -> None:
             marks["end"].append(time.perf_counter())
 
-    ours_lora = OurLora()
+    ours_lora = OurLora()  # our default shape, given to peft
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=args.precision == "bf16", seed=0,
@@ -233,15 +220,13 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
             warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
             adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
             per_device_train_batch_size=args.micro_batch,
-            gradient_accumulation_steps=batch // args.micro_batch,
-            num_generations=GROUP_SIZE,
+            gradient_accumulation_steps=batch // args.micro_batch, num_generations=GROUP_SIZE,
             max_completion_length=(lookups + 1) * args.max_tokens + lookups * TOOL_RESULT_TOKENS,
             generation_kwargs={"max_new_tokens": args.max_tokens},  # per turn
-            max_tool_calling_iterations=lookups,
-            temperature=args.temperature, top_p=1.0, top_k=0,
+            max_tool_calling_iterations=lookups, temperature=args.temperature, top_p=1.0, top_k=0,
             loss_type="cispo", epsilon_high=5.0, beta=0.0, scale_rewards="group",
-            num_iterations=1, shuffle_dataset=False, gradient_checkpointing=args.checkpointing,
-            model_init_kwargs={"dtype": DTYPES[args.precision]}, dataloader_num_workers=0,
+            num_iterations=1, shuffle_dataset=False, gradient_checkpointing=True,
+            model_init_kwargs={"dtype": vs_trl.DTYPES[args.precision]}, dataloader_num_workers=0,
         )
         lora = LoraConfig(r=ours_lora.rank, lora_alpha=ours_lora.alpha,
                           lora_dropout=ours_lora.dropout, target_modules=ours_lora.target_modules,
@@ -267,7 +252,9 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
 def build_agent(llm: Any, lookups: int) -> Any:
     """model -> tools -> model, as the demo's build_agent: the first `lookups` turns must call
     the tool, at most `lookups + 1` model turns (TRL's max_tool_calling_iterations + 1)."""
-    schema = tool_schema()
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(lookup_country)  # what TRL renders for the callable
     must_call = llm.bind_tools([schema], tool_choice="required")
     may_call = llm.bind_tools([schema])
 
@@ -289,16 +276,7 @@ def build_agent(llm: Any, lookups: int) -> Any:
     return graph.compile()
 
 
-def final_state_episode(messages: list[Any]) -> tuple[list[str], str]:
-    """(countries looked up, final answer) from the graph's final messages."""
-    turns = [m for m in demo.this_question(messages) if isinstance(m, AIMessage)]
-    looked_up = [str((c["args"] or {}).get("country", "")).strip()
-                 for m in turns for c in m.tool_calls]
-    last = turns[-1] if turns else None
-    return looked_up, "" if last is None or last.tool_calls else str(last.content)
-
-
-async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
+async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult:
     """LocalBackend: every episode of the step concurrently through the gateway, recorded by
     TrajectoryRecorder, then model.train. rollout = the episodes' wall time, train = train's."""
     import torch
@@ -306,47 +284,46 @@ async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
     from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
     from art_core.config import EngineConfig, ModelConfig
     from art_langgraph.chat_model import init_chat_model
+    from art_langgraph.messages import to_openai_message
     from art_langgraph.recorder import TrajectoryRecorder
 
     torch.set_num_threads(args.threads)
-    result = AgentResult(system, "smollm2", args.max_tokens, task=args.task)
-    t_setup = time.perf_counter()
+    result, t_setup = vs_trl.WorkerResult(system, "smollm2", args.max_tokens), time.perf_counter()
     engine: dict[str, Any] = {}  # `ours`: the defaults, which are what is being raced
     if system != "ours":
         engine["serve_merged"] = system == "ours-merged"
     if args.cpu_threads:
         engine["cpu_threads"] = args.cpu_threads
     if args.precision_set:  # an explicit --precision; else dtype "auto" picks as vs_trl.py does
-        engine["dtype"] = DTYPES[args.precision]
+        engine["dtype"] = vs_trl.DTYPES[args.precision]
     config = TrainConfig(learning_rate=args.learning_rate, loss="cispo", epsilon_high=4.0,
                          kl_coef=0.0, scale_rewards=True, max_grad_norm=1.0, weight_decay=0.0,
-                         micro_batch_size=args.micro_batch,
-                         gradient_checkpointing=args.checkpointing,
+                         micro_batch_size=args.micro_batch, gradient_checkpointing=True,
                          bf16=args.precision == "bf16")
-    lookups = LOOKUPS[args.task]
+    lookups, path = LOOKUPS[args.task], vs_trl.model_path("smollm2")
     with tempfile.TemporaryDirectory() as root:
         async with LocalBackend(root) as backend:
-            model = TrainableModel(name="agent", project="bench", base_model=model_path("smollm2"),
+            model = TrainableModel(name="agent", project="bench", base_model=path,
                                    config=ModelConfig(engine=EngineConfig(**engine)))
             await model.register(backend)
             graph = build_agent(init_chat_model(model, max_tokens=args.max_tokens,
                                                 temperature=args.temperature, top_p=1.0), lookups)
             result.setup_s = time.perf_counter() - t_setup
 
-            async def episode(task: Task) -> Any:
+            async def rollout(task: Task) -> Any:
                 def reward(state: dict[str, Any]) -> float:
-                    return score(task, *final_state_episode(state["messages"]))
+                    turns = [to_openai_message(m) for m in demo.this_question(state["messages"])]
+                    return score(task, *episode(turns)[:2])
 
                 recorder = TrajectoryRecorder(reward=reward)
-                await graph.ainvoke({"messages": demo.prompt(task)},  # type: ignore[arg-type]
+                await graph.ainvoke({"messages": demo.prompt(task)},
                                     config={"callbacks": [recorder]})
                 return await recorder.afinish()
 
             for step in range(args.warmup + args.steps):
                 t0 = time.perf_counter()
-                done = await asyncio.gather(*[episode(t) for t in
-                                              step_tasks(args.task, step, args.groups)
-                                              for _ in range(GROUP_SIZE)])
+                tasks = step_tasks(args.task, step, args.groups)
+                done = await asyncio.gather(*[rollout(t) for t in tasks for _ in range(GROUP_SIZE)])
                 groups = [TrajectoryGroup(trajectories=list(done[g:g + GROUP_SIZE]))
                           for g in range(0, len(done), GROUP_SIZE)]
                 t1 = time.perf_counter()
@@ -367,14 +344,9 @@ async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
 
 
 @dataclass
-class AgentStep(StepRecord):
+class AgentStep(vs_trl.StepRecord):
     calls: float = 0.0  # model calls per episode, mean over the step's episodes
     reward: float = 0.0
-
-
-@dataclass
-class AgentResult(WorkerResult):
-    task: str = "multi"
 
 
 COLUMNS = [  # (header, key, format)
@@ -388,7 +360,7 @@ COLUMNS = [  # (header, key, format)
 def summarize(result: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     """metric -> (median, min, max) over the counted steps (vs_trl.py's per-step metrics and
     the agent's own)."""
-    rows = [{**per_step(r), "calls": r["calls"], "reward": r["reward"],
+    rows = [{**vs_trl.per_step(r), "calls": r["calls"], "reward": r["reward"],
              "trained_tokens": r["trained_tokens"]} for r in result["steps"]]
     return {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows),
                 max(r[k] for r in rows)) for k in rows[0]} if rows else {}
@@ -403,9 +375,9 @@ def format_report(results: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{r['system']:<12} failed: {r.get('error') or 'no steps counted'}")
             continue
         medians[r["system"]] = s
-        lines.append(f"{r['system']:<12}" + "".join(
-            f" {fmt.format(s[k][0]) + ' (' + fmt.format(s[k][1]) + '-' + fmt.format(s[k][2]) + ')':>19}"
-            for _, k, fmt in COLUMNS) + f" {r['peak_rss_gib']:>12.2f}")
+        cells = ["{} ({}-{})".format(*(fmt.format(v) for v in s[k])) for _, k, fmt in COLUMNS]
+        lines.append(f"{r['system']:<12}" + "".join(f" {c:>19}" for c in cells)
+                     + f" {r['peak_rss_gib']:>12.2f}")
     trl = medians.get("trl")
     for mine in [m for m in SYSTEMS[1:] if m in medians and trl]:
         ours = medians[mine]
@@ -418,15 +390,15 @@ def format_report(results: list[dict[str, Any]]) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    with TreeRSS() as rss:
+    with vs_trl.TreeRSS() as rss:
         try:
             result = (run_trl(args) if args.worker == "trl"
                       else asyncio.run(run_ours(args, args.worker)))
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-            result = AgentResult(args.worker, "smollm2", args.max_tokens, task=args.task,
-                                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            result = vs_trl.WorkerResult(args.worker, "smollm2", args.max_tokens, error=error)
     result.peak_rss_gib = rss.gib
-    print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
+    print(vs_trl.RESULT_TAG + json.dumps(asdict(result)), flush=True)
 
 
 def run_worker(args: argparse.Namespace, system: str) -> dict[str, Any]:
@@ -441,13 +413,13 @@ def run_worker(args: argparse.Namespace, system: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = f"timed out after {args.timeout} s"
-    found = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
+    found = [ln for ln in out.splitlines() if ln.startswith(vs_trl.RESULT_TAG)]
     if found:
-        result = json.loads(found[-1][len(RESULT_TAG):])
+        result = json.loads(found[-1][len(vs_trl.RESULT_TAG):])
     else:
         tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        result = asdict(AgentResult(system, "smollm2", args.max_tokens, task=args.task,
-                                    error=tail[0][:200]))
+        result = asdict(vs_trl.WorkerResult(system, "smollm2", args.max_tokens,
+                                            error=tail[0][:200]))
     if args.verbose and err:
         print(err[-4000:], file=sys.stderr)
     print(f"  {system:<12}: {time.perf_counter() - t0:.0f} s (set-up {result['setup_s']:.0f} s)"
@@ -473,8 +445,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="EngineConfig.cpu_threads for our systems (default: its default)")
     p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                   help="gradient checkpointing off in both trainers")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="both systems: auto = bf16 where the CPU has native bf16, else fp32")
     p.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
@@ -497,16 +467,15 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.warmup = 1, 0
         args.systems = args.systems or ["trl", "ours"]
     args.systems = args.systems or list(SYSTEMS)
-    if args.steps < 1 or args.warmup < 0 or args.groups < 1 or args.max_tokens < 1:
+    if min(args.steps, args.groups, args.max_tokens, args.warmup + 1) < 1:
         p.error("--steps, --groups and --max-tokens must be >= 1, --warmup >= 0")
-    lookups = LOOKUPS[args.task]
-    print(f"task {args.task}: {lookups} lookup(s) + an answer, at most {lookups + 1} model "
-          f"calls of {args.max_tokens} tokens, temperature {args.temperature}; {args.groups} "
-          f"question(s) x {GROUP_SIZE} episodes per step, {args.warmup} warm-up + {args.steps} "
-          f"counted steps; threads {args.threads}, our engine threads "
-          f"{args.cpu_threads or 'default'}, lr {args.learning_rate}, micro-batch "
-          f"{args.micro_batch}, checkpointing {args.checkpointing}, precision {args.precision}",
-          flush=True)
+    if (args.groups * GROUP_SIZE) % args.micro_batch:
+        p.error(f"--micro-batch must divide {args.groups * GROUP_SIZE}")
+    print(f"task {args.task}: at most {LOOKUPS[args.task] + 1} model calls of {args.max_tokens} "
+          f"tokens, temperature {args.temperature}; {args.groups} x {GROUP_SIZE} episodes per "
+          f"step, {args.warmup} warm-up + {args.steps} steps; threads {args.threads}, engine "
+          f"threads {args.cpu_threads or 'default'}, lr {args.learning_rate}, micro-batch "
+          f"{args.micro_batch}, precision {args.precision}", flush=True)
     results = [run_worker(args, system) for system in args.systems]
     print()
     for line in format_report(results):

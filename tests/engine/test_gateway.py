@@ -94,7 +94,13 @@ async def test_lora_step_changes_output_and_name_resolves(tiny, backend, tmp_pat
     assert await greedy(client, tiny.name) == step1  # "name" now means step 1
     r = await client.chat.completions.create(model=tiny.name, messages=MSG, max_tokens=2)
     assert r.model == f"{tiny.name}@1" and r.model_extra["art_step"] == 1
-    assert await greedy(client, f"{tiny.name}@0") == step0  # pinned steps stay reachable
+    # pinned steps stay reachable. On a CPU step 1 is now merged into bf16 weights and @0 is a
+    # LoRA delta from them (close, tests/engine/test_merged_serving.py measures how close): the
+    # greedy text of a random model may then part from step 0's on a near-tie, not from the base's
+    pinned = await greedy(client, f"{tiny.name}@0")
+    assert pinned == await greedy(client, tiny.base_model)
+    if not engine.serve_merged:
+        assert pinned == step0
     models = {m.id for m in (await client.models.list()).data}
     assert {tiny.name, f"{tiny.name}@0", f"{tiny.name}@1", tiny.base_model} <= models
 
