@@ -33,7 +33,8 @@ work outside the step (journal, save, load the adapter) differ as vs_trl.py says
 One subprocess per system (vs_trl.py's pattern, peak RSS over the process tree). Printed per
 system, median (min-max) over `--steps` steps after `--warmup`: step, rollout and train seconds,
 model calls per episode, sampled tokens/s (over the full step), trained tokens per step, reward;
-peak RSS. Last line: `ratio: X` = TRL's median step time / `ours`'s.
+peak RSS; for ours also `swap s` (adapter save + load into vLLM, part of train s) and `seq
+tokens` (every token the trainer forwards, prompts included; 0 for TRL, which does not say). Last line: `ratio: X` = TRL's median step time / `ours`'s.
 
     .venv/bin/python benchmarks/vs_trl_agent.py [--task multi|single] [--steps 3] [--warmup 1]
         [--systems trl ours ours-lora ours-merged] [--cpu-threads N] [--quick]
@@ -336,7 +337,9 @@ async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult
                                            for t in done for turn in t.turns),
                         trained_tokens=int(trained.metrics.get("trained_tokens", 0)),
                         calls=statistics.mean(len(t.turns) for t in done),
-                        reward=statistics.mean(float(t.reward or 0.0) for t in done)))
+                        reward=statistics.mean(float(t.reward or 0.0) for t in done),
+                        tokens=float(trained.metrics.get("tokens", 0)),
+                        swap_s=float(trained.metrics.get("swap_seconds", 0.0))))
     return result
 
 
@@ -347,11 +350,14 @@ async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult
 class AgentStep(vs_trl.StepRecord):
     calls: float = 0.0  # model calls per episode, mean over the step's episodes
     reward: float = 0.0
+    tokens: float = 0.0  # every token forwarded and backpropagated (prompts included)
+    swap_s: float = 0.0  # ours: adapter save + load into vLLM, inside train s
 
 
 COLUMNS = [  # (header, key, format)
     ("step s", "step_s", "{:.2f}"), ("rollout s", "gen_s", "{:.2f}"),
-    ("train s", "train_s", "{:.2f}"), ("calls/ep", "calls", "{:.2f}"),
+    ("train s", "train_s", "{:.2f}"), ("swap s", "swap_s", "{:.2f}"),
+    ("seq tokens", "tokens", "{:.0f}"), ("calls/ep", "calls", "{:.2f}"),
     ("sampled tok/s", "sampled_tps", "{:.0f}"), ("trained tok/step", "trained_tokens", "{:.0f}"),
     ("reward", "reward", "{:.2f}"),
 ]
@@ -361,7 +367,8 @@ def summarize(result: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     """metric -> (median, min, max) over the counted steps (vs_trl.py's per-step metrics and
     the agent's own)."""
     rows = [{**vs_trl.per_step(r), "calls": r["calls"], "reward": r["reward"],
-             "trained_tokens": r["trained_tokens"]} for r in result["steps"]]
+             "trained_tokens": r["trained_tokens"], "tokens": r.get("tokens", 0.0),
+             "swap_s": r.get("swap_s", 0.0)} for r in result["steps"]]
     return {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows),
                 max(r[k] for r in rows)) for k in rows[0]} if rows else {}
 
