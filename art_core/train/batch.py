@@ -38,9 +38,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ ADVANTAGE_EPS = 1e-6
 
 ZERO_VARIANCE_TOL = 1e-8
 """A group whose rewards span no more than this is 'all equal' and carries no signal."""
+
+_Row = TypeVar("_Row", bound=Sized)
 
 Retokenize = Callable[[History], Iterable[Any]]
 """Fallback that renders a history without sampled turns into sequence-like items (objects or
@@ -413,9 +415,10 @@ def with_token_weights(sequences: list[Sequence], *, per_sequence: bool = False)
 
 
 def micro_batches(
-    sequences: list[Sequence], max_sequences: int, *, max_tokens: int | None = None
-) -> list[list[Sequence]]:
-    """Split into micro-batches of at most `max_sequences`, longest first, to reduce padding.
+    sequences: list[_Row], max_sequences: int, *, max_tokens: int | None = None
+) -> list[list[_Row]]:
+    """Split into micro-batches of at most `max_sequences` rows (sequences, or the packed rows
+    of art_core/train/packing.py), longest first, to reduce padding.
 
     Deterministic: ties in length keep the input order. With `max_tokens`, a micro-batch also
     closes before its padded size (sequences x longest length) would exceed it; a single sequence
@@ -425,8 +428,8 @@ def micro_batches(
     if max_sequences < 1:
         raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
     order = sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), i))
-    batches: list[list[Sequence]] = []
-    current: list[Sequence] = []
+    batches: list[list[_Row]] = []
+    current: list[_Row] = []
     for i in order:
         s = sequences[i]
         longest = len(current[0]) if current else len(s)  # sorted: the first is the longest
@@ -494,7 +497,7 @@ def shift_for_next_token(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     """
     out = {k: v for k, v in batch.items() if v.dim() == 1}
     out["target_ids"] = batch["input_ids"][:, 1:]
-    for key in ("loss_mask", "old_logprobs", "token_weights"):
-        if key in batch:
+    for key in ("loss_mask", "old_logprobs", "token_weights", "advantages"):
+        if key in batch and batch[key].dim() == 2:  # per-token advantages: packed rows
             out[key] = batch[key][:, 1:]
     return out

@@ -4,6 +4,7 @@ The algorithm, for every trained token t of sequence b (mask[b, t] is True):
 
     r     = exp(logp - old)                     trainer / sampler probability of the token
     A     = advantages[b]                       group-relative advantage of b's trajectory
+                                                (advantages[b, t] where a row packs several)
     ppo   loss_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
                    PPO clipped surrogate (Schulman et al. 2017); eps_high > eps_low is DAPO's
                    "clip-higher". A clipped token gets no gradient.
@@ -53,7 +54,7 @@ LOSSES = ("ppo", "cispo", "gspo")
 def grpo_loss(
     logprobs: Tensor,  # [B, T] trainer logprob of each target token, with grad
     old_logprobs: Tensor,  # [B, T] sampler logprob of the same tokens
-    advantages: Tensor,  # [B]
+    advantages: Tensor,  # [B], or [B, T] per token (rows that pack several trajectories)
     mask: Tensor,  # [B, T] bool (or 0/1): True at trained tokens
     *,
     loss: str,
@@ -84,7 +85,10 @@ def grpo_loss(
         # each row its own trajectory: token-level and per-sequence weights then coincide
         token_weights = trajectory_token_weights(m, torch.arange(m.shape[0], device=m.device))
     w = token_weights.float() * mf  # [B, T]
-    adv = advantages.float()[:, None]  # [B, 1]
+    per_row = advantages.dim() == 1
+    if not per_row and loss == "gspo":
+        raise ValueError("gspo takes one advantage per row ([B]): its ratio is per sequence")
+    adv = advantages.float()[:, None] if per_row else advantages.float()  # [B, 1] or [B, T]
     # where() instead of multiplying by the mask: keeps inf/nan at padding out of values and grads
     logp = torch.where(m, logprobs.float(), 0.0)  # [B, T]
     old = torch.where(m, old_logprobs.float(), 0.0)  # [B, T]

@@ -6,7 +6,8 @@ The algorithm of `Trainer.step(groups, config)`:
    counted (batch.compute_advantages).
 2. sequences: the exact token ids the engine sampled, masked to the sampled completion tokens,
    with the sampler's logprobs as the old policy (batch.build_all_sequences); weights so every
-   trajectory counts the same (batch.with_token_weights).
+   trajectory counts the same (batch.with_token_weights); sequences that share a prompt packed
+   into one row so it is forwarded once (packing.share_prefixes).
 3. for each micro-batch: hidden states of the LoRA model -> logprobs of the targets, a chunk of
    positions at a time (loss.chunked_token_logprobs); optionally the same with the adapter
    disabled as the KL reference; grpo_loss; backward (gradients accumulate over micro-batches).
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from art_core.config import LoraConfig, TrainConfig
 from art_core.host import cpu_supports_bf16
 from art_core.train import batch as B
+from art_core.train import packing as P
 from art_core.train.loss import chunked_token_logprobs, grpo_loss
 from art_core.trajectory import History, TrajectoryGroup
 
@@ -61,6 +63,8 @@ class Trainer:
             target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, peft_config)
+        # which attention kernel the model runs: packing needs one that takes a 4-D mask
+        self.attention: str | None = getattr(base.config, "_attn_implementation", None)
         self.lora_params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer: torch.optim.AdamW | None = None
         self._optimizer_key: tuple[float, float] | None = None
@@ -165,10 +169,13 @@ class Trainer:
         self._set_checkpointing(config.gradient_checkpointing)
         self.model.train()
 
+        rows, budget = self._rows(sequences, config)
+        metrics.update(forwarded_tokens=P.forwarded_tokens(rows),
+                       packed_rows=sum(isinstance(r, P.Packed) for r in rows))
         sums: dict[str, float] = {}
         trained = 0
-        for mb in B.micro_batches(sequences, config.micro_batch_size):
-            batch = {k: v.to(self.device) for k, v in B.collate(mb, self.pad_id).items()}
+        for mb in B.micro_batches(rows, config.micro_batch_size, max_tokens=budget):
+            batch = {k: v.to(self.device) for k, v in self._collate(mb).items()}
             shifted = B.shift_for_next_token(batch)
             mask = shifted["loss_mask"]  # [B, T-1]
             with self._autocast(use_bf16):
@@ -210,6 +217,23 @@ class Trainer:
         metrics["tokens_per_second"] = trained / metrics["seconds"]
         return metrics
 
+    def _rows(self, sequences: list[B.Sequence],
+              config: TrainConfig) -> tuple[list[P.Row], int | None]:
+        """The rows to train, shared prefixes packed where the settings and attention allow
+        (art_core/train/packing.py), and the token budget of a micro-batch (None: unbounded)."""
+        if (not config.pack_shared_prefix or config.loss == "gspo"
+                or self.attention not in P.PACKABLE_ATTENTION):
+            return list(sequences), None
+        budget = config.micro_batch_size * max(len(s) for s in sequences)
+        return P.share_prefixes(sequences, budget), budget
+
+    def _collate(self, rows: list[P.Row]) -> dict[str, torch.Tensor]:
+        if not any(isinstance(r, P.Packed) for r in rows):
+            return B.collate(rows, self.pad_id)  # the 2-D mask keeps sdpa's causal kernel
+        batch = P.collate(rows, self.pad_id)
+        batch["attention_mask"] = P.mask_for(batch["attention_mask"], self.attention)
+        return batch
+
     # ---- hooks for data-parallel training (art_core/train/distributed.py) -------------------
 
     def _local_share(self, sequences: list[B.Sequence]) -> list[B.Sequence]:
@@ -244,7 +268,8 @@ class Trainer:
                         config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [B, T-1] of the targets under the current model, vocab in chunks."""
         inner = self.model.get_base_model()
-        out = inner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = inner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          position_ids=batch.get("position_ids"))
         hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H] predicts tokens 1..T-1
         return chunked_token_logprobs(
             hidden, inner.get_output_embeddings().weight, shifted["target_ids"],

@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,7 +31,9 @@ LOGGER = "art_core.observe.loggers"
 
 def wandb_records(path: Path) -> Iterator[Any]:
     """The `Record`s of a .wandb file: a 7-byte header (':W&B', magic 0xBEE1, version), then
-    32 KiB blocks of chunks, each with a 7-byte header (crc, length, type full/first/mid/last)."""
+    32 KiB blocks of chunks, each with a 7-byte header (crc, length, type full/first/mid/last).
+    Every chunk's CRC (IEEE, over the type byte and the data) is checked, so a misread shows up
+    as an assertion naming the offset, not as a protobuf error deep in a record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, block, hdr = path.read_bytes(), 32768, 7
@@ -42,11 +45,15 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if left < hdr:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
         if kind == 0 and length == 0:  # zero padding to the end of a block
             pos += left
             continue
-        chunk, pos = data[pos + hdr:pos + hdr + length], pos + hdr + length
+        start = pos + hdr
+        chunk, pos = data[start:start + length], start + length
+        assert len(chunk) == length, f"{path}: chunk at {start - hdr} cut short ({len(data)} B)"
+        assert zlib.crc32(bytes([kind]) + chunk) == crc, (
+            f"{path}: chunk at {start - hdr} (type {kind}, {length} B) fails its CRC")
         if kind in (1, 2):
             buf = chunk
         else:
