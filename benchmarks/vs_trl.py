@@ -55,18 +55,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workers import (  # noqa: E402
+    RESULT_TAG,
+    StepRecord,
+    TreeRSS,
+    WorkerResult,
+    run_subprocess,
+)
 
 GROUP_SIZE = 8
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
@@ -78,7 +85,6 @@ PROMPTS = [
 MODELS = ("smollm2", "tiny-qwen3")
 SYSTEMS = ("trl", "trl-vllm", "ours", "ours-lora")
 OURS = ("ours-lora", "ours")  # runtime LoRA; the defaults (merged weights on a CPU). Last: the ratio
-RESULT_TAG = "RESULT "
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # --precision -> torch / vLLM dtype name
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -112,70 +118,6 @@ def model_path(name: str) -> str:
         arch = name.removeprefix("tiny-")
         return str(build_tiny_model(art_home() / "bench" / name, arch))  # type: ignore[arg-type]
     raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
-
-
-# ---- measurement helpers (run inside a worker) ---------------------------------------------
-
-
-@dataclass
-class StepRecord:
-    step_s: float
-    gen_s: float
-    train_s: float
-    sampled_tokens: int
-    trained_tokens: int
-
-
-@dataclass
-class WorkerResult:
-    system: str
-    model: str
-    max_tokens: int
-    steps: list[StepRecord] = field(default_factory=list)
-    peak_rss_gib: float = 0.0
-    setup_s: float = 0.0
-    error: str | None = None
-
-
-class TreeRSS:
-    """Peak of the summed RSS of this process and all its descendants, sampled every 0.2 s
-    (getrusage alone misses a child still running and cannot add processes up)."""
-
-    def __init__(self, interval: float = 0.2) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._interval = interval
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
-
-    def sample(self) -> None:
-        import psutil
-
-        total = 0
-        for p in [self._proc, *self._proc.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):  # a child that just exited
-                total += p.memory_info().rss
-        self.peak = max(self.peak, total)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.sample()
-
-    def __enter__(self) -> TreeRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    @property
-    def gib(self) -> float:
-        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return max(self.peak, own) / 2**30
 
 
 # ---- TRL ----------------------------------------------------------------------------------
@@ -421,23 +363,8 @@ def run_worker(args: argparse.Namespace, system: str, model: str, length: int
            "--precision", args.precision]
     cmd += [] if args.exact_length else ["--no-exact-length"]
     cmd += [] if args.checkpointing else ["--no-checkpointing"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        out, err = p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = f"timed out after {args.timeout} s"
-    found = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
-    if found:
-        result = json.loads(found[-1][len(RESULT_TAG):])
-    else:
-        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        result = asdict(WorkerResult(system, model, length, error=tail[0][:200]))
-    if args.verbose and err:
-        print(err[-4000:], file=sys.stderr)
-    print(f"  {system:<11} {model:<11} {length:>4}: {time.perf_counter() - t0:.0f} s"
+    result, seconds = run_subprocess(cmd, args, WorkerResult(system, model, length))
+    print(f"  {system:<11} {model:<11} {length:>4}: {seconds:.0f} s"
           + (f"  ({result['error']})" if result.get("error") else ""), flush=True)
     return result
 

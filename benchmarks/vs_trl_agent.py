@@ -33,8 +33,10 @@ work outside the step (journal, save, load the adapter) differ as vs_trl.py says
 One subprocess per system (vs_trl.py's pattern, peak RSS over the process tree). Printed per
 system, median (min-max) over `--steps` steps after `--warmup`: step, rollout and train seconds,
 model calls per episode, sampled tokens/s (over the full step), trained tokens per step, reward;
-peak RSS; for ours also `swap s` (adapter save + load into vLLM, part of train s) and `seq
-tokens` (every token the trainer forwards, prompts included; 0 for TRL, which does not say). Last line: `ratio: X` = TRL's median step time / `ours`'s.
+peak RSS; for ours also `swap s` (adapter save + load into vLLM, part of train s), `seq
+tokens` (the training sequences' tokens, prompts included) and `fwd tokens` (what the forward
+pass runs over: a group's shared prompt once, `TrainConfig.pack_shared_prefix`); 0 for TRL,
+which does not say (it forwards each episode whole, as `seq tokens` counts). Last line: `ratio: X` = TRL's median step time / `ours`'s.
 
     .venv/bin/python benchmarks/vs_trl_agent.py [--task multi|single] [--steps 3] [--warmup 1]
         [--systems trl ours ours-lora ours-merged] [--cpu-threads N] [--quick]
@@ -48,7 +50,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +65,14 @@ from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from langgraph.prebuilt import ToolNode  # noqa: E402
 
 from art_langgraph import demo  # noqa: E402
-from benchmarks import vs_trl  # noqa: E402 - its helpers: TreeRSS, records, model_path, ...
+from benchmarks import vs_trl  # noqa: E402 - its settings and helpers: model_path, ...
+from benchmarks.workers import (  # noqa: E402
+    RESULT_TAG,
+    StepRecord,
+    TreeRSS,
+    WorkerResult,
+    run_subprocess,
+)
 
 GROUP_SIZE = vs_trl.GROUP_SIZE
 SYSTEMS = ("trl", "ours", "ours-lora", "ours-merged")
@@ -158,7 +166,7 @@ def lookup_country(country: str):  # no return annotation: the schema stays the 
 # ---- TRL ----------------------------------------------------------------------------------
 
 
-def run_trl(args: argparse.Namespace) -> vs_trl.WorkerResult:
+def run_trl(args: argparse.Namespace) -> WorkerResult:
     """GRPOTrainer with tools and a peft LoRA; phases timed as in vs_trl.py: rollout = step
     begin -> reward computed (right after the tool loop), train = reward -> next step begin."""
     import torch
@@ -172,7 +180,7 @@ def run_trl(args: argparse.Namespace) -> vs_trl.WorkerResult:
     from art_langgraph.messages import to_openai_message
 
     torch.set_num_threads(args.threads)
-    result, t_setup = vs_trl.WorkerResult("trl", "smollm2", args.max_tokens), time.perf_counter()
+    result, t_setup = WorkerResult("trl", "smollm2", args.max_tokens), time.perf_counter()
     path = vs_trl.model_path("smollm2")
     # The embedded model's template is art_core's chatml_tools.jinja (hermes layout), which TRL
     # does not know (add_response_schema would raise): its Qwen3 response template parses the
@@ -277,7 +285,7 @@ def build_agent(llm: Any, lookups: int) -> Any:
     return graph.compile()
 
 
-async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult:
+async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
     """LocalBackend: every episode of the step concurrently through the gateway, recorded by
     TrajectoryRecorder, then model.train. rollout = the episodes' wall time, train = train's."""
     import torch
@@ -289,7 +297,7 @@ async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult
     from art_langgraph.recorder import TrajectoryRecorder
 
     torch.set_num_threads(args.threads)
-    result, t_setup = vs_trl.WorkerResult(system, "smollm2", args.max_tokens), time.perf_counter()
+    result, t_setup = WorkerResult(system, "smollm2", args.max_tokens), time.perf_counter()
     engine: dict[str, Any] = {}  # `ours`: the defaults, which are what is being raced
     if system != "ours":
         engine["serve_merged"] = system == "ours-merged"
@@ -339,6 +347,7 @@ async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult
                         calls=statistics.mean(len(t.turns) for t in done),
                         reward=statistics.mean(float(t.reward or 0.0) for t in done),
                         tokens=float(trained.metrics.get("tokens", 0)),
+                        forwarded=float(trained.metrics.get("forwarded_tokens", 0)),
                         swap_s=float(trained.metrics.get("swap_seconds", 0.0))))
     return result
 
@@ -347,17 +356,19 @@ async def run_ours(args: argparse.Namespace, system: str) -> vs_trl.WorkerResult
 
 
 @dataclass
-class AgentStep(vs_trl.StepRecord):
+class AgentStep(StepRecord):
     calls: float = 0.0  # model calls per episode, mean over the step's episodes
     reward: float = 0.0
-    tokens: float = 0.0  # every token forwarded and backpropagated (prompts included)
+    tokens: float = 0.0  # tokens of the training sequences (prompts included)
+    forwarded: float = 0.0  # tokens the forward pass ran over: shared prompts once (packing)
     swap_s: float = 0.0  # ours: adapter save + load into vLLM, inside train s
 
 
 COLUMNS = [  # (header, key, format)
     ("step s", "step_s", "{:.2f}"), ("rollout s", "gen_s", "{:.2f}"),
     ("train s", "train_s", "{:.2f}"), ("swap s", "swap_s", "{:.2f}"),
-    ("seq tokens", "tokens", "{:.0f}"), ("calls/ep", "calls", "{:.2f}"),
+    ("seq tokens", "tokens", "{:.0f}"), ("fwd tokens", "forwarded", "{:.0f}"),
+    ("calls/ep", "calls", "{:.2f}"),
     ("sampled tok/s", "sampled_tps", "{:.0f}"), ("trained tok/step", "trained_tokens", "{:.0f}"),
     ("reward", "reward", "{:.2f}"),
 ]
@@ -368,7 +379,7 @@ def summarize(result: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     the agent's own)."""
     rows = [{**vs_trl.per_step(r), "calls": r["calls"], "reward": r["reward"],
              "trained_tokens": r["trained_tokens"], "tokens": r.get("tokens", 0.0),
-             "swap_s": r.get("swap_s", 0.0)} for r in result["steps"]]
+             "forwarded": r.get("forwarded", 0.0), "swap_s": r.get("swap_s", 0.0)} for r in result["steps"]]
     return {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows),
                 max(r[k] for r in rows)) for k in rows[0]} if rows else {}
 
@@ -397,39 +408,24 @@ def format_report(results: list[dict[str, Any]]) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    with vs_trl.TreeRSS() as rss:
+    with TreeRSS() as rss:
         try:
             result = (run_trl(args) if args.worker == "trl"
                       else asyncio.run(run_ours(args, args.worker)))
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            result = vs_trl.WorkerResult(args.worker, "smollm2", args.max_tokens, error=error)
+            result = WorkerResult(args.worker, "smollm2", args.max_tokens, error=error)
     result.peak_rss_gib = rss.gib
-    print(vs_trl.RESULT_TAG + json.dumps(asdict(result)), flush=True)
+    print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
 
 
 def run_worker(args: argparse.Namespace, system: str) -> dict[str, Any]:
     """vs_trl.py's pattern: one subprocess per system, its result on a tagged stdout line."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
            "--settings", json.dumps(vars(args))]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        out, err = p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = f"timed out after {args.timeout} s"
-    found = [ln for ln in out.splitlines() if ln.startswith(vs_trl.RESULT_TAG)]
-    if found:
-        result = json.loads(found[-1][len(vs_trl.RESULT_TAG):])
-    else:
-        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        result = asdict(vs_trl.WorkerResult(system, "smollm2", args.max_tokens,
-                                            error=tail[0][:200]))
-    if args.verbose and err:
-        print(err[-4000:], file=sys.stderr)
-    print(f"  {system:<12}: {time.perf_counter() - t0:.0f} s (set-up {result['setup_s']:.0f} s)"
+    result, seconds = run_subprocess(
+        cmd, args, WorkerResult(system, "smollm2", args.max_tokens))
+    print(f"  {system:<12}: {seconds:.0f} s (set-up {result['setup_s']:.0f} s)"
           + (f"  ({result['error']})" if result.get("error") else ""), flush=True)
     return result
 

@@ -1,6 +1,6 @@
 """Data and loaders shared by tests: hand-made trajectory groups for trainer steps (token ids
 from a real tokenizer, engine-free), training settings compared across processes, and the
-examples/ scripts loaded as modules."""
+examples/ and benchmarks/ scripts loaded as modules."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from art_core import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+BENCHMARKS = EXAMPLES.parent / "benchmarks"
 
 LORA = LoraConfig(rank=4)
 # One sequence per micro-batch, so both sides run forward passes of the same shapes: the base
@@ -60,10 +61,20 @@ def lora_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def load_example(name: str) -> ModuleType:
-    """examples/<name>.py as a module (registered in sys.modules, where dataclasses look)."""
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    """examples/<name>.py as a module."""
+    return _load(EXAMPLES / f"{name}.py", f"examples_{name}")
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, under its own name (as the scripts import each other)."""
+    return _load(BENCHMARKS / f"{name}.py", name)
+
+
+def _load(path: Path, module_name: str) -> ModuleType:
+    """A script as a module, registered in sys.modules (where dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

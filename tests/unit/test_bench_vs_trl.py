@@ -3,7 +3,6 @@ asserted (a benchmark's numbers belong to the machine, not to a test)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.data import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "vs_trl.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("vs_trl", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vs_trl"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("vs_trl")
 
 
 def result(system: str, length: int, step_s: list[float], tokens: int, error: str | None = None

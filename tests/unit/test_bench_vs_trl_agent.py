@@ -4,8 +4,6 @@ given the same prompts. Nothing is started (no vLLM, no TRL training) and no tim
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +12,14 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from art_langgraph import demo
 from art_langgraph.messages import to_openai_message
+from tests.support.data import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "vs_trl_agent.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("vs_trl_agent", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vs_trl_agent"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("vs_trl_agent")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ PROMPT = list(range(100, 140))  # 40 untrained tokens every sequence below start
     dict(name="a group shares its prompt less one token",
          seqs=[PROMPT + [1, 2], PROMPT + [3], PROMPT + [4, 5, 6]], budget=1000, rows=[(39, 3)]),
     dict(name="a prefix under MIN_SHARED is not shared",
-         seqs=[PROMPT[:20] + [1, 2], PROMPT[:20] + [3, 4]], budget=1000, rows=[(0, 1), (0, 1)]),
+         seqs=[PROMPT[:10] + [1, 2], PROMPT[:10] + [3, 4]], budget=1000, rows=[(0, 1), (0, 1)]),
     dict(name="the budget closes a row",
          seqs=[PROMPT + [1, 2], PROMPT + [3, 4], PROMPT + [5, 6]], budget=39 + 3 * 2,
          rows=[(39, 2), (0, 1)]),
