@@ -23,7 +23,7 @@ Limits, measured here: matmul FLOP/s in the default precision (bf16 where the CP
 natively, else float32) (a 2048^3 GEMM, 1 thread and --threads) and memory
 bandwidth (a 256 MiB copy, 1 thread), with the nominal AMX peak (1024 bf16 FLOP/cycle/core)
 for reference. From them: training tokens/s <= GEMM FLOP/s / (k x 2 x linear params) per token
-of sequence (k = 3 with gradient checkpointing: forward, recompute, input gradients; LoRA's
+forwarded (a group's shared prompt counts once, `TrainConfig.pack_shared_prefix`; k = 3 with gradient checkpointing: forward, recompute, input gradients; LoRA's
 own gradients are negligible), and decoding tokens/s <= min(batch x bandwidth / weight bytes,
 GEMM FLOP/s / (2 x linear params)) on the engine's threads.
 
@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import functools
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limits import (  # noqa: E402
+    bandwidth,
+    decode_limit,
+    gemm_flops,
+    model_counts,
+    nominal_amx_flops,
+    train_limit,
+)
 from vs_trl import (  # noqa: E402  (a sibling benchmark script, not a package)
     GROUP_SIZE,
     TARGET_MODULES,
@@ -127,58 +134,6 @@ def instrument(timeline: Timeline) -> None:
         timeline.seconds["optimizer"] += time.perf_counter() - opt_start.pop()
     topt.register_optimizer_step_pre_hook(pre)
     topt.register_optimizer_step_post_hook(post)
-
-
-# ---- limits --------------------------------------------------------------------------------
-
-
-def gemm_flops(threads: int, dtype: str, n: int = 2048, seconds: float = 1.5) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    a = torch.randn(n, n, dtype=getattr(torch, dtype))
-    b = torch.randn(n, n, dtype=getattr(torch, dtype))
-    a @ b  # warm up (oneDNN picks its kernel)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def bandwidth(mib: int = 256) -> float:
-    """Bytes/s moved by a 1-thread copy (read + write), the decoding engine's situation."""
-    import torch
-
-    torch.set_num_threads(1)
-    x = torch.ones(mib * 2**20 // 4)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 1.0:
-        y.copy_(x)
-        reps += 1
-    return 2 * x.numel() * 4 * reps / (time.perf_counter() - t0)
-
-
-def nominal_amx_flops(cores: int) -> float | None:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if "amx_bf16" not in text:
-        return None
-    mhz = [float(m) for m in re.findall(r"cpu MHz\s*:\s*([\d.]+)", text)]
-    return cores * (max(mhz) if mhz else 2000.0) * 1e6 * 1024
-
-
-def model_counts(path: str) -> tuple[int, int]:
-    """(parameters in linear layers incl. the lm head, all parameters) of the base model."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    total = sum(p.numel() for p in model.parameters())
-    return linear, total
 
 
 # ---- the step ------------------------------------------------------------------------------
@@ -260,9 +215,9 @@ async def profile_with_engine(args: argparse.Namespace, timeline: Timeline
                     steps.append(row)
                     tokens["sampled"] += sum(d[3] for d in done)
                     tokens["trained"] += result.metrics.get("trained_tokens", 0.0)
-                    tokens["sequence"] += sum(
+                    tokens["sequence"] += result.metrics.get("forwarded_tokens", sum(
                         len(t.turns[0].prompt_token_ids) + len(t.turns[0].completion_token_ids)
-                        for g in groups for t in g.trajectories)
+                        for g in groups for t in g.trajectories))
                     tokens["rollout_s"] += wall
     return steps, tokens
 
@@ -309,7 +264,7 @@ def profile_without_engine(args: argparse.Namespace, timeline: Timeline
             if step > args.warmup:
                 steps.append(row)
                 tokens["trained"] += m["trained_tokens"]
-                tokens["sequence"] += m.get("tokens", m["trained_tokens"])
+                tokens["sequence"] += m.get("forwarded_tokens", m.get("tokens", 0))
     return steps, tokens
 
 
@@ -341,24 +296,22 @@ def report(args: argparse.Namespace, steps: list[dict[str, float]], tokens: dict
     fwd_bwd = statistics.median(s.get("forward", 0) + s.get("backward", 0) for s in steps)
     k = 3  # forward + recompute (gradient checkpointing) + input gradients
     seq_tps = tokens["sequence"] / n / fwd_bwd if fwd_bwd else 0.0
-    seq_limit = peak_n / (k * 2 * linear)
+    seq_limit = train_limit(peak_n, linear, k)
     print(f"\nlimits on this machine ({args.threads} threads for training, "
           f"{args.engine_threads} for the engine)")
     print(f"  {dtype} GEMM: {peak_1 / 1e12:.3f} TFLOP/s on 1 thread, {peak_n / 1e12:.3f} on "
           f"{args.threads}" + (f"; nominal AMX peak {nominal / 1e12:.1f}" if nominal else ""))
     print(f"  memory bandwidth (1-thread copy): {bw / 1e9:.1f} GB/s")
     print(f"  model: {linear / 1e6:.0f} M parameters in linear layers, {total / 1e6:.0f} M in all")
-    print(f"  forward+backward: {seq_tps:.0f} sequence tok/s reached, limit {seq_limit:.0f} "
+    print(f"  forward+backward: {seq_tps:.0f} forwarded tok/s reached, limit {seq_limit:.0f} "
           f"({seq_tps / seq_limit:.1%} of the GEMM peak; {k} x 2 x {linear / 1e6:.0f} M "
           f"FLOP per token)")
     if tokens.get("rollout_s"):
         batch = args.groups * GROUP_SIZE
-        engine_peak = peak_1 * args.engine_threads
-        decode_limit = min(batch * bw * args.engine_threads / (width * total),
-                           engine_peak / (2 * linear))
+        limit = decode_limit(batch, bw, peak_1, args.engine_threads, width, total, linear)
         reached = tokens["sampled"] / tokens["rollout_s"]
         print(f"  decoding ({batch} in flight): {reached:.0f} sampled tok/s reached, limit "
-              f"{decode_limit:.0f} ({reached / decode_limit:.1%}; weights "
+              f"{limit:.0f} ({reached / limit:.1%}; weights "
               f"{width * total / 1e6:.0f} MB {dtype} read once per engine step, or 2 x {linear / 1e6:.0f} M FLOP per token)")
 
 

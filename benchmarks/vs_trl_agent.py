@@ -65,7 +65,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from langgraph.prebuilt import ToolNode  # noqa: E402
 
 from art_langgraph import demo  # noqa: E402
-from benchmarks import vs_trl  # noqa: E402 - its settings and helpers: model_path, ...
+from benchmarks import limits, vs_trl  # noqa: E402 - its settings and helpers: model_path, ...
 from benchmarks.workers import (  # noqa: E402
     RESULT_TAG,
     StepRecord,
@@ -379,7 +379,10 @@ def summarize(result: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     the agent's own)."""
     rows = [{**vs_trl.per_step(r), "calls": r["calls"], "reward": r["reward"],
              "trained_tokens": r["trained_tokens"], "tokens": r.get("tokens", 0.0),
-             "forwarded": r.get("forwarded", 0.0), "swap_s": r.get("swap_s", 0.0)} for r in result["steps"]]
+             "forwarded": r.get("forwarded", 0.0),
+             "rollout_tps": r["sampled_tokens"] / r["gen_s"] if r["gen_s"] else 0.0,
+             "train_tps": (r.get("forwarded", 0.0) / (r["train_s"] - r.get("swap_s", 0.0))
+                           if r["train_s"] > r.get("swap_s", 0.0) else 0.0), "swap_s": r.get("swap_s", 0.0)} for r in result["steps"]]
     return {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows),
                 max(r[k] for r in rows)) for k in rows[0]} if rows else {}
 
@@ -481,8 +484,41 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.micro_batch}, precision {args.precision}", flush=True)
     results = [run_worker(args, system) for system in args.systems]
     print()
-    for line in format_report(results):
+    lines = format_report(results)
+    lines[-1:-1] = limit_lines(args, results)  # `ratio: X` stays last
+    for line in lines:
         print(line)
+
+
+def limit_lines(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[str]:
+    """Where each of our systems' phases stands against this machine's limits (limits.py):
+    training over forwarded tokens, decoding over the rollout's wall time (which also holds
+    prefills, tool calls and the gateway, so it is a lower bound of the decode rate)."""
+    ours = [r for r in results if r["system"].startswith("ours") and r["steps"]]
+    if not ours:
+        return []
+    from art_core.config import EngineConfig
+    from art_core.host import cpu_supports_bf16
+
+    dtype, width = ("bfloat16", 2) if cpu_supports_bf16() else ("float32", 4)
+    linear, total = limits.model_counts(vs_trl.model_path("smollm2"))
+    gemm_1, gemm_n = limits.gemm_flops(1, dtype), limits.gemm_flops(args.threads, dtype)
+    bw = limits.bandwidth()
+    engine_threads = args.cpu_threads or EngineConfig().cpu_threads
+    train_max = limits.train_limit(gemm_n, linear)
+    decode_max = limits.decode_limit(args.groups * GROUP_SIZE, bw, gemm_1, engine_threads,
+                                     width, total, linear)
+    lines = ["", f"limits here: {dtype} GEMM {gemm_n / 1e12:.2f} TFLOP/s on {args.threads} "
+             f"threads ({gemm_1 / 1e12:.2f} on 1), copy bandwidth {bw / 1e9:.1f} GB/s; "
+             f"train <= {train_max:.0f} forwarded tok/s, decode <= {decode_max:.0f} tok/s "
+             f"({args.groups * GROUP_SIZE} in flight, {engine_threads} engine thread(s))"]
+    for r in ours:
+        m = summarize(r)
+        train_tps, decode_tps = m["train_tps"][0], m["rollout_tps"][0]
+        lines.append(f"{r['system']:<12} train {train_tps:.0f} forwarded tok/s "
+                     f"({train_tps / train_max:.0%} of the limit; train s less swap s), "
+                     f"rollout {decode_tps:.0f} sampled tok/s ({decode_tps / decode_max:.0%})")
+    return lines
 
 
 if __name__ == "__main__":

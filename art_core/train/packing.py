@@ -20,8 +20,10 @@ is never trained, so the shifted loss mask is 0 there.
 What may share: sequences with sampler logprobs (re-rendered ones keep a row of their own) whose
 common untrained prefix is at least `MIN_SHARED` tokens, greedily, in sorted order so that equal
 prefixes are neighbours. A row never exceeds `max_tokens` (the trainer passes micro_batch_size x
-the step's longest sequence, the padded size a micro-batch already had), so packing never needs
-more activation memory than the batch it replaces; the [T, T] mask is its only new cost.
+the step's longest sequence, the padded size a micro-batch already had, capped at
+`MAX_ROW_TOKENS`), so packing never needs more activation memory than the batch it replaces; the
+[T, T] mask is its only new cost. Models whose attention takes no 4-D mask, or whose sliding
+window would bind, are not packed (`can_pack`).
 
 Tensors of `collate` (B rows, T positions), as `batch.collate` plus:
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -137,6 +140,23 @@ def mask_for(allowed: torch.Tensor, attn_implementation: str) -> torch.Tensor:
 
 
 PACKABLE_ATTENTION = ("sdpa", "eager")
+
+MAX_ROW_TOKENS = 8192
+"""Longest packed row: its [T, T] mask is T^2 bytes (64 MiB here), and an attention kernel that
+takes a custom mask may hold [heads, T, T] scores where the causal kernel holds none."""
+
+
+def can_pack(model_config: Any, longest: int) -> bool:
+    """Whether rows can be packed for this model: its attention takes a 4-D mask, and no sliding
+    window binds (the mask here is full attention; a window shorter than the longest sequence
+    would make packed and unpacked logits differ)."""
+    if getattr(model_config, "_attn_implementation", None) not in PACKABLE_ATTENTION:
+        return False
+    window = getattr(model_config, "sliding_window", None)
+    if not window or getattr(model_config, "use_sliding_window", True) is False:
+        return True
+    types = getattr(model_config, "layer_types", None)
+    return (types is not None and "sliding_attention" not in types) or longest <= window
 
 
 def collate(rows: Seq[Row], pad_id: int) -> dict[str, torch.Tensor]:

@@ -63,7 +63,7 @@ class Trainer:
             target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, peft_config)
-        # which attention kernel the model runs: packing needs one that takes a 4-D mask
+        # the attention kernel the model runs: the 4-D mask of packed rows takes its form
         self.attention: str | None = getattr(base.config, "_attn_implementation", None)
         self.lora_params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer: torch.optim.AdamW | None = None
@@ -221,11 +221,13 @@ class Trainer:
               config: TrainConfig) -> tuple[list[P.Row], int | None]:
         """The rows to train, shared prefixes packed where the settings and attention allow
         (art_core/train/packing.py), and the token budget of a micro-batch (None: unbounded)."""
+        longest = max(len(s) for s in sequences)
+        model_config = self.model.get_base_model().config
         if (not config.pack_shared_prefix or config.loss == "gspo"
-                or self.attention not in P.PACKABLE_ATTENTION):
+                or not P.can_pack(model_config, longest)):
             return list(sequences), None
-        budget = config.micro_batch_size * max(len(s) for s in sequences)
-        return P.share_prefixes(sequences, budget), budget
+        budget = config.micro_batch_size * longest
+        return P.share_prefixes(sequences, min(budget, P.MAX_ROW_TOKENS)), budget
 
     def _collate(self, rows: list[P.Row]) -> dict[str, torch.Tensor]:
         if not any(isinstance(r, P.Packed) for r in rows):

@@ -222,7 +222,7 @@ def result(system: str, step_s: list[float], calls: float = 2.0, reward: float =
             "setup_s": 1.0, "error": error,
             "steps": [{"step_s": s, "gen_s": s / 2, "train_s": s / 2, "sampled_tokens": 512,
                        "trained_tokens": 512, "calls": calls + i / 2, "reward": reward,
-                       "tokens": 2048.0, "swap_s": 0.25}
+                       "tokens": 2048.0, "forwarded": 1024.0, "swap_s": 0.25}
                       for i, s in enumerate(step_s)]}
 
 
@@ -243,6 +243,15 @@ def test_report_cells_are_median_min_max(bench) -> None:
     assert ours.endswith("1.50")  # peak RSS GiB
     assert "trl/ours: step time x2.00 (model calls per episode: trl 1.50, ours 3.50)" in lines
     assert lines[-1] == "ratio: 2.00"  # 9.0 / 4.5
+
+
+def test_rates_are_per_step_rollout_and_forwarded_training(bench) -> None:
+    m = bench.summarize(result("ours", [4.0, 8.0, 10.0]))
+    # rollout: 512 sampled tokens over gen_s = 2, 4, 5 s; training: 1024 forwarded tokens over
+    # train_s - swap_s = 1.75, 3.75, 4.75 s
+    assert m["rollout_tps"] == pytest.approx((128.0, 102.4, 256.0))
+    assert m["train_tps"] == pytest.approx((1024 / 3.75, 1024 / 4.75, 1024 / 1.75))
+    assert m["forwarded"] == (1024.0, 1024.0, 1024.0)
 
 
 def test_report_has_a_line_per_system_against_trl(bench) -> None:

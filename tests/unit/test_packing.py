@@ -106,11 +106,13 @@ def _packed(prefix: int, *sequences: B.Sequence) -> P.Packed:
 
 # ---- on a model -------------------------------------------------------------------------------
 
-def agent_group(tokenizer, n: int = 4) -> TrajectoryGroup:
+SYSTEM = ("You answer questions about countries. Call the lookup tool with the country's name, "
+          "wait for its result, then answer in one short sentence that states the fact the "
+          "tool returned. Worked example: the capital of Peru is Lima.")
+
+
+def agent_group(tokenizer, n: int = 4, system: str = SYSTEM) -> TrajectoryGroup:
     """n two-turn episodes from one long prompt: a call, its result, an answer; varied rewards."""
-    system = ("You answer questions about countries. Call the lookup tool with the country's "
-              "name, wait for its result, then answer in one short sentence that states the "
-              "fact the tool returned. Worked example: the capital of Peru is Lima.")
     prompt = tokenizer.encode(system + " Question: what is the capital of Chile?")
     trajectories = []
     for i in range(n):
@@ -130,21 +132,26 @@ def agent_group(tokenizer, n: int = 4) -> TrajectoryGroup:
     return TrajectoryGroup(trajectories=trajectories)
 
 
-def group_sequences(tokenizer) -> list[B.Sequence]:
-    scored, _ = B.compute_advantages([agent_group(tokenizer)], scale_rewards=True)
+def group_sequences(tokenizer, system: str = SYSTEM) -> list[B.Sequence]:
+    scored, _ = B.compute_advantages([agent_group(tokenizer, system=system)], scale_rewards=True)
     sequences, _ = B.build_all_sequences(scored)
     return B.with_token_weights(sequences)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_a_packed_row_gives_each_sequences_own_logprobs(tiny_models, attention):
+@pytest.mark.parametrize(("arch", "attention", "system"), [
+    ("llama", "sdpa", SYSTEM), ("llama", "eager", SYSTEM), ("qwen3", "sdpa", SYSTEM),
+    ("qwen2", "sdpa", SYSTEM),
+    ("gemma3", "sdpa", "Answer."),  # shorter than its 64-token sliding window: packable
+])
+def test_a_packed_row_gives_each_sequences_own_logprobs(tiny_models, arch, attention, system):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(tiny_models["llama"])
+    path = str(tiny_models[arch])
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation=attention).eval()
-    sequences = group_sequences(tokenizer)
+    sequences = group_sequences(tokenizer, system)
+    assert P.can_pack(model.config, max(len(s) for s in sequences))
     (row,) = P.share_prefixes(sequences, max_tokens=10_000)
     assert isinstance(row, P.Packed) and len(row.sequences) == len(sequences)
 
@@ -186,6 +193,18 @@ def test_a_step_on_packed_rows_updates_the_adapter_as_unpacked_rows_do(tiny_mode
         # Adam normalises the step (lr 1e-2), so float noise of ~1e-7 in a gradient shows as ~1e-6
         assert torch.allclose(s_packed[name], s_plain[name], atol=2e-5), (
             name, (s_packed[name] - s_plain[name]).abs().max())
+
+
+def test_a_sliding_window_shorter_than_a_sequence_is_not_packed(tiny_models):
+    """Gemma 3's tiny model slides a 64-token window: the full-attention mask of a packed row
+    would let its longer sequences see past it, so the trainer keeps one row each."""
+    trainer = Trainer(str(tiny_models["gemma3"]), LoraConfig(rank=4), device="cpu")
+    config = trainer.model.get_base_model().config
+    assert config.sliding_window == 64
+    assert P.can_pack(config, 64) and not P.can_pack(config, 65)
+    metrics = trainer.step([agent_group(trainer.tokenizer)],
+                           TrainConfig(learning_rate=1e-2, bf16=False))
+    assert metrics["packed_rows"] == 0 and metrics["forwarded_tokens"] == metrics["tokens"] > 64
 
 
 def test_gspo_keeps_one_row_per_sequence(tiny_models):
