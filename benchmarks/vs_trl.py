@@ -20,9 +20,11 @@ their order, group size 8, maximum completion length, temperature 1 with no top-
 learning rate (constant schedule, AdamW betas 0.9/0.999, no weight decay, grad-norm clip 1),
 loss CISPO with the importance weight capped at 5 (ours epsilon_high=4: cap 1+4; TRL
 epsilon_high=5.0: cap 5.0), no KL term (ours kl_coef=0, TRL beta=0), rewards scaled by the
-group std, gradient checkpointing, precision (`--precision`: bf16 (frozen weights in bf16,
-autocast) where the CPU multiplies bf16 natively, else float32 everywhere, the sampler included:
-on an AVX2-only CPU torch's bf16 matmul runs at 0.8 GFLOP/s against 34 in float32), micro-batch size
+group std, gradient checkpointing, the trainers' precision (bf16 (frozen weights in bf16,
+autocast) where the CPU multiplies bf16 natively, else float32: on an AVX2-only CPU torch's bf16
+matmul runs at 0.8 GFLOP/s against 34 in float32; our sampler keeps its default,
+`EngineConfig.dtype` "auto", which serves merged weights in float32 on a CPU, unless
+`--precision` is given, which sets both systems' sampler and trainer), micro-batch size
 (TRL: per_device_train_batch_size, with gradient accumulation to one optimizer step per
 generation batch), torch threads (`--threads`).
 
@@ -237,7 +239,8 @@ async def run_ours(args: argparse.Namespace, lora: bool = False) -> WorkerResult
                                     target_modules=TARGET_MODULES),
                     engine=EngineConfig(max_model_len=max(2048, args.max_tokens + 512),
                                         cpu_threads=args.engine_threads,
-                                        dtype=DTYPES[args.precision],
+                                        dtype=(DTYPES[args.precision]
+                                               if args.precision_set else "auto"),
                                         serve_merged=False if lora else None)))
             await model.register(backend)
             client = model.openai_client()
@@ -360,7 +363,7 @@ def run_worker(args: argparse.Namespace, system: str, model: str, length: int
            "--groups", str(args.groups), "--micro-batch", str(args.micro_batch),
            "--threads", str(args.threads), "--engine-threads", str(args.engine_threads),
            "--learning-rate", str(args.learning_rate), "--rank", str(args.rank),
-           "--precision", args.precision]
+           "--precision", args.precision if args.precision_set else "auto"]
     cmd += [] if args.exact_length else ["--no-exact-length"]
     cmd += [] if args.checkpointing else ["--no-checkpointing"]
     result, seconds = run_subprocess(cmd, args, WorkerResult(system, model, length))
@@ -401,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.precision_set = args.precision != "auto"  # else our engine keeps its own default
     if args.precision == "auto":
         from art_core.host import cpu_supports_bf16
 

@@ -499,19 +499,25 @@ def limit_lines(args: argparse.Namespace, results: list[dict[str, Any]]) -> list
         return []
     from art_core.config import EngineConfig
     from art_core.host import cpu_supports_bf16
+    from art_core.inference.vllm_args import served_dtype
 
-    dtype, width = ("bfloat16", 2) if cpu_supports_bf16() else ("float32", 4)
+    dtype = "bfloat16" if cpu_supports_bf16() else "float32"  # the trainer's
+    engine = EngineConfig(dtype=vs_trl.DTYPES[args.precision] if args.precision_set else "auto")
+    served = "float32" if served_dtype(engine, cuda=False) == "float32" else dtype
+    width = 4 if served == "float32" else 2
     linear, total = limits.model_counts(vs_trl.model_path("smollm2"))
-    gemm_1, gemm_n = limits.gemm_flops(1, dtype), limits.gemm_flops(args.threads, dtype)
+    gemm_n = limits.gemm_flops(args.threads, dtype)
+    gemm_1 = limits.gemm_flops(1, served)
     bw = limits.bandwidth()
-    engine_threads = args.cpu_threads or EngineConfig().cpu_threads
+    engine_threads = args.cpu_threads or engine.cpu_threads
     train_max = limits.train_limit(gemm_n, linear)
     decode_max = limits.decode_limit(args.groups * GROUP_SIZE, bw, gemm_1, engine_threads,
                                      width, total, linear)
     lines = ["", f"limits here: {dtype} GEMM {gemm_n / 1e12:.2f} TFLOP/s on {args.threads} "
-             f"threads ({gemm_1 / 1e12:.2f} on 1), copy bandwidth {bw / 1e9:.1f} GB/s; "
-             f"train <= {train_max:.0f} forwarded tok/s, decode <= {decode_max:.0f} tok/s "
-             f"({args.groups * GROUP_SIZE} in flight, {engine_threads} engine thread(s))"]
+             f"threads (the trainer), {served} {gemm_1 / 1e12:.2f} on 1 (the engine), copy "
+             f"bandwidth {bw / 1e9:.1f} GB/s; train <= {train_max:.0f} forwarded tok/s, "
+             f"decode <= {decode_max:.0f} tok/s ({args.groups * GROUP_SIZE} in flight, "
+             f"{engine_threads} engine thread(s), {served} weights)"]
     for r in ours:
         m = summarize(r)
         train_tps, decode_tps = m["train_tps"][0], m["rollout_tps"][0]

@@ -65,19 +65,21 @@ def test_sizes_are_validated_as_config():
         EngineConfig(data_parallel_sizes=2)  # type: ignore[call-arg]  # a typo is an error
 
 
-@pytest.mark.parametrize(("dtype", "cuda", "cpu_bf16", "served"), [
-    ("auto", False, False, "float32"),   # AVX2-only CPU: emulated bf16 decodes ~2x slower
-    ("auto", False, True, "auto"),       # AVX512-BF16 / AMX: vLLM's bf16
-    ("auto", True, False, "auto"),       # a GPU: vLLM picks
-    ("bfloat16", False, False, "bfloat16"),  # an explicit choice is kept
-    ("float32", True, True, "float32"),
+@pytest.mark.parametrize(("dtype", "cuda", "cpu_bf16", "merged", "served"), [
+    ("auto", False, False, False, "float32"),  # AVX2-only CPU: emulated bf16 decodes ~2x slower
+    ("auto", False, True, False, "auto"),      # AVX512-BF16 / AMX, runtime LoRA: vLLM's bf16
+    ("auto", False, True, None, "float32"),    # merged on a CPU (the default): W + BA exact
+    ("auto", True, False, None, "auto"),       # a GPU: vLLM picks
+    ("auto", True, True, True, "auto"),        # merged on a GPU: vLLM picks
+    ("bfloat16", False, True, None, "bfloat16"),  # an explicit choice is kept
+    ("float32", True, True, False, "float32"),
 ])
-def test_auto_dtype_is_float32_on_a_cpu_without_bf16(tiny_models, monkeypatch, dtype, cuda,
-                                                     cpu_bf16, served):
+def test_auto_dtype_is_float32_on_a_cpu_without_bf16_or_serving_merged(
+        tiny_models, monkeypatch, dtype, cuda, cpu_bf16, merged, served):
     from art_core.inference import vllm_args
 
     monkeypatch.setattr(vllm_args, "cpu_supports_bf16", lambda: cpu_bf16)
     engine = VLLMEngine(str(tiny_models["llama"]), served_name="m",
-                        config=EngineConfig(dtype=dtype), cuda=cuda)
+                        config=EngineConfig(dtype=dtype, serve_merged=merged), cuda=cuda)
     assert engine.dtype == served
     assert vllm_engine_args(engine.command()).dtype == served
