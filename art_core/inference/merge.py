@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,27 @@ def _merged_file(path: Path, deltas: dict[str, tuple[Any, Any, float]], dtype: s
                 a, b, scale = deltas[name]  # A [r, in], B [out, r]
                 out_dtype = getattr(torch, dtype) if dtype else w.dtype
                 # one fused pass: W + scale * B @ A in float32, rounded once
-                w = torch.addmm(w.float(), b.float(), a.float(), alpha=scale).to(out_dtype)
+                merged = torch.addmm(w.float(), b.float(), a.float(), alpha=scale)
+                w = (stochastic_bf16(merged, seed=zlib.crc32(name.encode()))
+                     if out_dtype == torch.bfloat16 else merged.to(out_dtype))
             yield name, w.contiguous()
+
+
+def stochastic_bf16(x: Any, seed: int) -> Any:
+    """float32 -> bfloat16, rounded up or down at random in proportion to the distance, so
+    that E[result] = x. Round-to-nearest would drop every LoRA update smaller than half a bf16
+    step of W (bf16 keeps 8 bits of mantissa): the served policy would stay at the base while the
+    adapter learns. Seeded per tensor, so a merge is reproducible (after a restart, the same
+    weights). Adds 16 random low bits to the float32 pattern and truncates them: the carry
+    rounds the magnitude up with probability (dropped bits) / 2^16, for either sign."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
+    rounded = (bits + noise) & -65536  # clear the 16 low bits (0xFFFF0000 as int32)
+    finite = torch.isfinite(x)  # inf/nan keep their pattern (a carry could turn nan into inf)
+    return torch.where(finite, rounded.view(torch.float32), x).to(torch.bfloat16)
 
 
 def write_delta(merged_dir: str | Path, target_dir: str | Path | None, out_dir: str | Path

@@ -36,14 +36,11 @@ def check_parallel_sizes(config: EngineConfig, cuda: bool, device_count: int) ->
 
 
 def served_dtype(config: EngineConfig, cuda: bool) -> str:
-    """The dtype vLLM serves in: the configured one, except that 'auto' on a CPU means float32
-    where the CPU lacks native bf16 (vLLM would pick bf16 and decode ~2x slower, measured:
-    16 against 36 tok/s for SmolLM2; the trainer computes in float32 there too) and where it
-    serves merged weights: W + BA rounded to bf16 drops most of an early step's update (15-35%
-    of it kept on real adapters), and the demo stopped learning (held-out 46% -> 54% against
-    46% -> 71% in float32 and 38% -> 67% with a runtime LoRA, one run each)."""
-    if config.dtype == "auto" and not cuda and (
-            not cpu_supports_bf16() or merged_serving(config, cuda)):
+    """The dtype vLLM serves in: the configured one, except that 'auto' on a CPU without
+    native bf16 means float32 (vLLM would pick bf16 and decode ~2x slower, measured:
+    16 against 36 tok/s for SmolLM2; the trainer computes in float32 there too). Merged
+    weights in bf16 are rounded stochastically (merge.stochastic_bf16)."""
+    if config.dtype == "auto" and not cuda and not cpu_supports_bf16():
         return "float32"
     return config.dtype
 

@@ -68,13 +68,13 @@ def test_sizes_are_validated_as_config():
 @pytest.mark.parametrize(("dtype", "cuda", "cpu_bf16", "merged", "served"), [
     ("auto", False, False, False, "float32"),  # AVX2-only CPU: emulated bf16 decodes ~2x slower
     ("auto", False, True, False, "auto"),      # AVX512-BF16 / AMX, runtime LoRA: vLLM's bf16
-    ("auto", False, True, None, "float32"),    # merged on a CPU (the default): W + BA exact
+    ("auto", False, True, None, "auto"),       # merged on a CPU: bf16, rounded stochastically
     ("auto", True, False, None, "auto"),       # a GPU: vLLM picks
     ("auto", True, True, True, "auto"),        # merged on a GPU: vLLM picks
     ("bfloat16", False, True, None, "bfloat16"),  # an explicit choice is kept
     ("float32", True, True, False, "float32"),
 ])
-def test_auto_dtype_is_float32_on_a_cpu_without_bf16_or_serving_merged(
+def test_auto_dtype_is_float32_on_a_cpu_without_bf16(
         tiny_models, monkeypatch, dtype, cuda, cpu_bf16, merged, served):
     from art_core.inference import vllm_args
 
