@@ -160,11 +160,11 @@ def stochastic_bf16(x: Any, seed: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
-    rounded = (bits + noise) & -65536  # clear the 16 low bits (0xFFFF0000 as int32)
-    finite = torch.isfinite(x)  # inf/nan keep their pattern (a carry could turn nan into inf)
-    return torch.where(finite, rounded.view(torch.float32), x).to(torch.bfloat16)
+    bits = noise.add_(x.contiguous().view(torch.int32))  # in place: one temporary in all
+    # clear the 16 low bits (0xFFFF0000 as int32). inf and the canonical nan have zero low bits
+    # and stay as they are; a weight within a bf16 step of float32's max could become inf.
+    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
 
 
 def write_delta(merged_dir: str | Path, target_dir: str | Path | None, out_dir: str | Path
