@@ -160,8 +160,12 @@ def stochastic_bf16(x: Any, seed: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
-    bits = noise.add_(x.contiguous().view(torch.int32))  # in place: one temporary in all
+    n = x.numel()
+    # 16 uniform bits per weight, 4 per 64-bit draw (a draw per weight costs 2.5x as much)
+    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1,
+                                                                  generator=g)
+    noise = draws.view(torch.int16)[:n].to(torch.int32).bitwise_and_(0xFFFF).view(x.shape)
+    bits = noise.add_(x.contiguous().view(torch.int32))  # in place: one temporary
     # clear the 16 low bits (0xFFFF0000 as int32). inf and the canonical nan have zero low bits
     # and stay as they are; a weight within a bf16 step of float32's max could become inf.
     return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
