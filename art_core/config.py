@@ -57,11 +57,8 @@ class EngineConfig(_Strict):
         "per call on a CPU). None: no cap. A truncated turn has finish_reason 'length' and is "
         "counted in the step metrics (`truncated_turns`)."))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
-        "'auto' lets vLLM pick (bf16 on modern GPUs), except on a CPU, where it means float32 "
-        "when the CPU lacks native bf16 (bf16 decodes ~2x slower there) or when the engine "
-        "serves merged weights (serve_merged): W + BA rounded to bf16 loses most of a step's "
-        "update, and the demo stopped learning. A CPU with native bf16 and a runtime LoRA "
-        "serves bf16."))
+        "'auto' lets vLLM pick (bf16 on modern GPUs and on CPUs with AVX512-BF16 or AMX), except "
+        "on a CPU without native bf16, where it means float32: there bf16 decodes ~2x slower."))
     gpu_memory_utilization: float = Field(0.45, gt=0.0, le=0.95, description=(
         "CUDA only. Share of GPU memory for vLLM; 0.45 leaves room for the trainer on one GPU."))
     cpu_kv_cache_gib: int = Field(1, ge=1, description=(
@@ -93,10 +90,10 @@ class EngineConfig(_Strict):
         "models on the base) as a runtime LoRA of its difference from them. None: on a CPU, "
         "where vLLM's LoRA kernels decode ~2x slower than merged weights (FIELD-NOTES, "
         "benchmarks/vs_trl.py), and not on CUDA, where LoRA kernels cost little and a merge "
-        "reloads the whole model each step. Merged weights are served in float32 on a CPU "
-        "(dtype 'auto'): rounded to bf16, W + BA drops updates smaller than half a bf16 step "
-        "of W; the demo then learned 46% -> 54% held-out instead of 46% -> 71%. Float32 "
-        "merged still decodes faster than a bf16 runtime LoRA (74 against 57 tok/s, 8 x 64)."))
+        "reloads the whole model each step. Merged bf16 weights are rounded stochastically "
+        "(unbiased): rounded to nearest, W + BA dropped every update under half a bf16 step "
+        "of W, and the demo learned 46% -> 54% held-out, against 40% -> 56% and 38% -> 88% "
+        "(stochastic) and 46% -> 71% (float32)."))
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))
 
