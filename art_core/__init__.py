@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from art_core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
+from art_core.pipeline import PipelineResult, PipelineTrainer
 from art_core.recording import MessageRecorder, Recorder, ToolEvent, current_recorder, recording
 from art_core.trajectory import (
     History,
@@ -54,6 +55,8 @@ __all__ = [
     "MessageRecorder",
     "Model",
     "ModelConfig",
+    "PipelineResult",
+    "PipelineTrainer",
     "Recorder",
     "RemoteBackend",
     "RolloutError",

@@ -74,7 +74,8 @@ class Backend(Protocol):
     async def get_step(self, model: TrainableModel) -> int: ...
 
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                    config: TrainConfig | None = None) -> TrainResult: ...
+                    config: TrainConfig | None = None, *, request_id: str | None = None,
+                    keep_serving: bool | None = None) -> TrainResult: ...
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
                   split: str = "val") -> None: ...
@@ -162,10 +163,17 @@ class TrainableModel(Model):
         return await self.backend.get_step(self)
 
     async def train(
-        self, groups: list[TrajectoryGroup], config: TrainConfig | None = None
+        self, groups: list[TrajectoryGroup], config: TrainConfig | None = None, *,
+        request_id: str | None = None, keep_serving: bool | None = None,
     ) -> TrainResult:
-        """One GRPO step on `groups` (short form of `backend.train(model, groups, config)`)."""
-        return await self.backend.train(self, groups, config=config)
+        """One GRPO step on `groups` (short form of `backend.train(model, groups, config)`).
+
+        `request_id` (1-64 letters, digits, '-', '_') makes the call idempotent: sent again
+        after a crash or a lost connection, it returns the step it committed instead of
+        training twice. `keep_serving`: inference goes on during the step (dedicated devices)
+        or waits for it (False: one device); None lets the backend choose from its hardware."""
+        return await self.backend.train(self, groups, config=config, request_id=request_id,
+                                        keep_serving=keep_serving)
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> None:
         """Record groups not trained on (e.g. validation rollouts) at the current step: in the

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any, NotRequired, TypedDict
 
 API_PREFIX = "/art/v1"
@@ -25,7 +26,11 @@ LEDGER_PATH = "/art/completions"
 `POST {LEDGER_PATH}/batch {"ids": [...]}` -> `{"data": [records], "missing": [ids]}`."""
 
 TRAIN_PHASES = ("journaled", "paused", "trained", "published", "done")
-"""The progress events of one training step, in order."""
+"""The progress events of one training step, in order ("paused" comes after "trained" when
+the step keeps serving while it trains)."""
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A train request's id: committed with the step it produced, so a retry never trains twice."""
 
 # extension fields of a gateway response (besides vLLM's own prompt_token_ids / token_ids)
 STEP = "art_step"

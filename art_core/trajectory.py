@@ -334,3 +334,31 @@ def check_sequence_lengths(groups: list[TrajectoryGroup], limit: int | None) -> 
                     f"the trainer's limit of {limit} (TrainConfig.max_sequence_tokens, by "
                     "default the base model's context length): shorten the rollout or raise "
                     "the limit")
+
+
+def sampled_steps(trajectory: Trajectory) -> list[int]:
+    """The checkpoint steps that sampled the trajectory's turns, in every history (turns the
+    gateway did not mark with a step, e.g. served by another model, are left out)."""
+    return [t.step for h in trajectory.histories() for t in h.turns if t.step is not None]
+
+
+def steps_off_policy(group: TrajectoryGroup, policy_step: int) -> int:
+    """How many steps behind `policy_step` the oldest turn of `group` was sampled (0 when
+    every turn came from `policy_step` or no turn carries a step)."""
+    steps = [s for t in group.trajectories for s in sampled_steps(t)]
+    return max(0, policy_step - min(steps)) if steps else 0
+
+
+def off_policy_metrics(groups: Iterable[TrajectoryGroup], policy_step: int) -> dict[str, float]:
+    """How stale the sampled turns of a step's groups are, against the policy being trained
+    (`policy_step`, the checkpoint the step starts from): `off_policy_steps_mean` and
+    `off_policy_steps_max` over turns (steps behind the policy), `frac_turns_off_policy` (share
+    of turns sampled by an older adapter). All 0 for a synchronous step."""
+    behind = [max(0, policy_step - s) for g in groups for t in g.trajectories
+              for s in sampled_steps(t)]
+    if not behind:
+        return {"off_policy_steps_mean": 0.0, "off_policy_steps_max": 0.0,
+                "frac_turns_off_policy": 0.0}
+    return {"off_policy_steps_mean": sum(behind) / len(behind),
+            "off_policy_steps_max": float(max(behind)),
+            "frac_turns_off_policy": sum(b > 0 for b in behind) / len(behind)}

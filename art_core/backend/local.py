@@ -2,7 +2,8 @@
 
     rollouts (through the gateway) -> backend.train(model, groups):
       0. refuse what cannot train: an unregistered model, a non-finite reward, a sequence
-         longer than the trainer's limit, a disk without room for the step
+         longer than the trainer's limit, a disk without room for the step; answer a
+         request id whose step is committed already with that step (never train twice)
       1. journal the groups to <model>/journal/<step>.jsonl   (a crash loses no rollout)
       2. close the gateway's gate; wait for running requests     (inference waits)
       3. vLLM sleeps (CUDA only: the trainer gets the memory)
@@ -12,6 +13,10 @@
       6. vLLM wakes, loads it as "name@step", "name" now means step   (a new dir per step)
       7. append metrics to history.jsonl; open the gate              (inference resumes)
       8. hand the step to the loggers (art_core.observe: W&B, Langfuse if configured)
+
+With `keep_serving` (dedicated devices: the trainer does not share the engine's), steps 2-3
+are skipped: the engine serves the previous step while this one trains, and the gate closes
+only around step 6, the swap.
 
 A step that fails for a reason a retry cannot fix (bad data, a NaN gradient) marks its journal
 failed, so `replay_interrupted` does not retry it forever; one killed or cut short (a crash, a
@@ -43,7 +48,12 @@ from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
 from art_core.storage import ModelDir
 from art_core.train.errors import RetryableStepError
-from art_core.trajectory import TrajectoryGroup, check_groups, check_sequence_lengths
+from art_core.trajectory import (
+    TrajectoryGroup,
+    check_groups,
+    check_sequence_lengths,
+    off_policy_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,8 @@ class LocalBackend:
     def __init__(self, path: str | Path = ".art", *, host: str = "127.0.0.1", port: int = 0,
                  gateway: Gateway | None = None, loggers: list[Logger] | None = None,
                  train_processes: int = 1, trainers_in_memory: int = 2,
-                 api_key: str | None = None, max_body_bytes: int | None = None) -> None:
+                 api_key: str | None = None, max_body_bytes: int | None = None,
+                 train_device: str | None = None) -> None:
         """`host`, `port`, `api_key`, `max_body_bytes`: where the gateway listens, and its
         guard (ARCHITECTURE invariant 8, as for `art serve`): a non-loopback `host` needs an
         `api_key` (refused here, before anything starts), every request a body under the limit
@@ -102,7 +113,12 @@ class LocalBackend:
         and keeps the model loaded between steps; N > 1 starts N fresh torchrun processes for
         every step, each loading the base model and the latest checkpoint again (seconds to
         tens of seconds), which pays off only when the step itself dominates: several GPUs and
-        large batches. On CPU the ranks split the cores, so it is for checking, not speed."""
+        large batches. On CPU the ranks split the cores, so it is for checking, not speed.
+
+        `train_device`: where the in-process trainer runs (default: "cuda" if available, else
+        "cpu"). A CUDA device the engines do not use (index >= the GPUs vLLM takes) makes
+        training *dedicated*: `train()` keeps serving while it trains (see the module
+        docstring; `dedicated_training`). Not measured yet: no GPU host has run it."""
         if gateway is None:
             from art_core.serve.guard import check_bind
 
@@ -111,7 +127,7 @@ class LocalBackend:
         self.root = Path(path).resolve()
         self.trainers = Trainers(self.root, _positive_int("trainers_in_memory",
                                                           trainers_in_memory),
-                                 check_train_processes(train_processes))
+                                 check_train_processes(train_processes), device=train_device)
         self.loggers = Loggers(self.root, loggers)
         self.gateway = gateway or Gateway()
         self._server: GatewayServer | None = None
@@ -126,6 +142,17 @@ class LocalBackend:
     @property
     def train_processes(self) -> int:
         return self.trainers.train_processes
+
+    @property
+    def dedicated_training(self) -> bool:
+        """True when the trainer runs on a device no engine uses (a CUDA device past the
+        GPUs vLLM takes), so inference need not wait while a step trains."""
+        device = self.trainers.device or ""
+        if not device.startswith("cuda:") or self.train_processes > 1:
+            return False
+        taken = max((e.config.tensor_parallel_size * e.config.data_parallel_size
+                     for e in self._engines.values()), default=1)
+        return int(device.split(":", 1)[1]) >= taken
 
     @train_processes.setter
     def train_processes(self, n: int) -> None:
@@ -304,12 +331,17 @@ class LocalBackend:
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
                     config: TrainConfig | None = None, *,
                     progress: Callable[[dict[str, Any]], None] | None = None,
-                    request_id: str | None = None) -> TrainResult:
+                    request_id: str | None = None,
+                    keep_serving: bool | None = None) -> TrainResult:
         """One GRPO step on `groups`; returns the new step and its metrics.
 
         `progress`, if given, is called with one event per phase: {"phase": "journaled" |
         "paused" | "trained" | "published" | "done", "step": N, ...} (the server streams them).
-        `request_id` is recorded with the committed step, so a retry can find it."""
+        `request_id` is recorded with the committed step: a call with the id of a committed
+        step returns that step's result instead of training again.
+        `keep_serving`: serve the previous step while this one trains and hold requests only
+        for the swap (dedicated devices); False holds them for the whole step (one device:
+        the engine and the trainer share it); None: `dedicated_training`."""
         config = config or TrainConfig()
         groups = check_groups(groups)
         self._check_registered(model)
@@ -317,8 +349,11 @@ class LocalBackend:
                                                                 config))
         lock = self._model_lock(model)
         await acquire(lock)  # two trainers of one model: one after the other
+        if keep_serving is None:
+            keep_serving = self.dedicated_training
         task = asyncio.ensure_future(self._step(lock, model, groups, config,
-                                                progress or (lambda event: None), request_id))
+                                                progress or (lambda event: None), request_id,
+                                                keep_serving))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
         # cancelling the caller does not cut the step in half: it finishes and frees the lock
@@ -326,10 +361,15 @@ class LocalBackend:
 
     async def _step(self, lock: threading.Lock, model: TrainableModel,
                     groups: list[TrajectoryGroup], config: TrainConfig,
-                    emit: Callable[[dict[str, Any]], None], request_id: str | None
-                    ) -> TrainResult:
+                    emit: Callable[[dict[str, Any]], None], request_id: str | None,
+                    keep_serving: bool) -> TrainResult:
         try:
             md = self._dir(model)
+            if request_id is not None:
+                answered = await asyncio.to_thread(md.answered, request_id)
+                if answered is not None:  # committed before (a retry, or a restarted caller)
+                    return TrainResult(step=answered["step"],
+                                       metrics=answered.get("metrics") or {})
             await asyncio.to_thread(md.check_writable, md.step_bytes())
             step = (md.latest_step() or 0) + 1
             # before anything else: a crash loses no rollout (in a thread: it fsyncs)
@@ -337,7 +377,8 @@ class LocalBackend:
             failpoint("journaled", step)
             emit({"phase": "journaled", "step": step, "groups": len(groups)})
             metrics = await self._train_published(model, groups, config, step, request_id,
-                                                  emit)
+                                                  emit, keep_serving)
+            metrics.update(off_policy_metrics(groups, step - 1))
             try:
                 await asyncio.to_thread(md.append_history, {"step": step, **metrics})
             except OSError as e:  # the step is committed; its row is rebuilt at registration
@@ -353,16 +394,20 @@ class LocalBackend:
 
     async def _train_published(self, model: TrainableModel, groups: list[TrajectoryGroup],
                                config: TrainConfig, step: int, request_id: str | None,
-                               emit: Callable[[dict[str, Any]], None]) -> dict[str, float]:
-        """Steps 2-7 of the module docstring, with the gate closed; the step's metrics."""
+                               emit: Callable[[dict[str, Any]], None],
+                               keep_serving: bool = False) -> dict[str, float]:
+        """Steps 2-7 of the module docstring, with the gate closed (with `keep_serving`, only
+        around the swap); the step's metrics."""
         md = self._dir(model)
         engine = self._engines[model.base_model]
-        await self._on_gateway(self.gateway.pause)
-        emit({"phase": "paused", "step": step})
-        asleep = False
+        asleep = paused = False
         try:
-            await asyncio.to_thread(engine.sleep)
-            asleep = True
+            if not keep_serving:
+                await self._on_gateway(self.gateway.pause)
+                paused = True
+                emit({"phase": "paused", "step": step})
+                await asyncio.to_thread(engine.sleep)
+                asleep = True
             try:
                 metrics = await asyncio.wrap_future(self.trainers.submit(
                     self.trainers.train_and_save, model, groups, config, step, request_id))
@@ -373,12 +418,17 @@ class LocalBackend:
                 raise
             emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
             t_publish = time.perf_counter()
-            asleep = False
-            try:  # committed: the step stands even if vLLM does not wake (it restarts)
-                await asyncio.to_thread(engine.wake_up)
-            except EngineError as e:
-                log.warning("vLLM did not wake after step %d (%s); it serves again after its "
-                            "restart", step, str(e).splitlines()[0])
+            if not paused:  # merged weights are reloaded in place: no request may be running
+                await self._on_gateway(self.gateway.pause)
+                paused = True
+                emit({"phase": "paused", "step": step})
+            if asleep:
+                asleep = False
+                try:  # committed: the step stands even if vLLM does not wake (it restarts)
+                    await asyncio.to_thread(engine.wake_up)
+                except EngineError as e:
+                    log.warning("vLLM did not wake after step %d (%s); it serves again after "
+                                "its restart", step, str(e).splitlines()[0])
             # committed: a publish that fails (the engine restarting) loads it on demand later
             await self._on_gateway(
                 lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),
@@ -393,7 +443,8 @@ class LocalBackend:
             if asleep:
                 with contextlib.suppress(EngineError):
                     await asyncio.to_thread(engine.wake_up)
-            await self._on_gateway(self._resume)
+            if paused:
+                await self._on_gateway(self._resume)
 
     async def _resume(self) -> None:
         self.gateway.resume()

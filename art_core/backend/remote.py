@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 
 from art_core.config import TrainConfig
 from art_core.model import Endpoint, TrainableModel, TrainResult, validate_name
-from art_core.protocol import API_PREFIX, TRAIN_PHASES, is_loopback_host
+from art_core.protocol import API_PREFIX, REQUEST_ID, TRAIN_PHASES, is_loopback_host
 from art_core.trajectory import TrajectoryGroup, check_groups
 
 DEFAULT_URL = "http://127.0.0.1:7999"
@@ -158,15 +158,25 @@ class RemoteBackend:
 
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
                     config: TrainConfig | None = None, *,
-                    progress: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+                    progress: Callable[[dict[str, Any]], None] | None = None,
+                    request_id: str | None = None,
+                    keep_serving: bool | None = None) -> TrainResult:
         """One GRPO step on the server; returns the new step and its metrics.
 
-        `progress`, like LocalBackend's, gets one {"phase", "step", ...} dict per phase."""
+        `progress`, like LocalBackend's, gets one {"phase", "step", ...} dict per phase.
+        `request_id` (default: a new one): the same id sent again, by this call's retries or
+        by a restarted caller, gets the step it committed instead of a second one.
+        `keep_serving`: as LocalBackend.train's (None: the server decides)."""
         from tqdm.auto import tqdm
 
         groups = check_groups(groups)
-        request_id = uuid.uuid4().hex
-        content = await asyncio.to_thread(_train_body, groups, config, request_id)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not REQUEST_ID.fullmatch(request_id):
+            raise ValueError(f"request_id must be 1-64 letters, digits, '-' or '_', got "
+                             f"{request_id!r}")
+        content = await asyncio.to_thread(_train_body, groups, config, request_id,
+                                          keep_serving)
         bar = tqdm(total=len(TRAIN_PHASES), desc=f"train {model.name}", unit="phase",
                    disable=None if self.progress_bar is None else not self.progress_bar,
                    bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
@@ -334,8 +344,9 @@ class RemoteBackend:
 
 
 def _train_body(groups: list[TrajectoryGroup], config: TrainConfig | None,
-                request_id: str) -> bytes:
+                request_id: str, keep_serving: bool | None = None) -> bytes:
     """The train request's JSON, built from pydantic's own serializer (fast, exact floats)."""
     cfg = config.model_dump_json() if config is not None else "null"
+    serving = "" if keep_serving is None else ',"keep_serving":' + json.dumps(keep_serving)
     return ('{"groups":[' + ",".join(g.model_dump_json() for g in groups) + '],"config":'
-            + cfg + ',"request_id":' + json.dumps(request_id) + "}").encode()
+            + cfg + ',"request_id":' + json.dumps(request_id) + serving + "}").encode()

@@ -46,10 +46,12 @@ def free_memory() -> None:
 class Trainers:
     """The trainers of one backend's models, on one torch thread, least recently used first."""
 
-    def __init__(self, root: Path, in_memory: int, train_processes: int) -> None:
+    def __init__(self, root: Path, in_memory: int, train_processes: int,
+                 device: str | None = None) -> None:
         self.root = root
         self.in_memory = in_memory
         self.train_processes = train_processes
+        self.device = device  # None: the trainer's own choice (cuda if available, else cpu)
         self.cached: dict[tuple[str, str], Any] = {}  # (project, name) -> Trainer
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="art-trainer")
@@ -69,7 +71,8 @@ class Trainers:
         if trainer is None:
             from art_core.train.trainer import Trainer
 
-            trainer = Trainer(resolve_base_model(model.base_model), model.config.lora)
+            trainer = Trainer(resolve_base_model(model.base_model), model.config.lora,
+                              device=self.device)
             md = self._dir(model)
             step = md.latest_step()
             if step is not None:

@@ -37,12 +37,11 @@ from art_core.backend.local import LocalBackend
 from art_core.base_models import base_model_limits
 from art_core.config import TrainConfig
 from art_core.model import TrainableModel
-from art_core.protocol import error_body
+from art_core.protocol import REQUEST_ID, error_body
 from art_core.serve.errors import ApiError, validation_message
 from art_core.storage import ModelDir
 from art_core.trajectory import TrajectoryGroup, check_groups, check_sequence_lengths
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -123,14 +122,17 @@ class TrainingJobs:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object: "
                            '{"groups": [...], "config": {...}, "request_id": "..."}')
-        unknown = sorted(set(body) - {"groups", "config", "request_id"})
+        unknown = sorted(set(body) - {"groups", "config", "request_id", "keep_serving"})
         if unknown:
             raise ApiError(400, f"unknown field(s) in the train request: {unknown}")
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str)
-                                       or not _REQUEST_ID.fullmatch(request_id)):
+                                       or not REQUEST_ID.fullmatch(request_id)):
             raise ApiError(400, "request_id must be 1-64 letters, digits, '-' or '_'",
                            param="request_id")
+        if body.get("keep_serving") not in (None, True, False):
+            raise ApiError(400, "keep_serving must be true, false or null",
+                           param="keep_serving")
         if request_id is None:
             return await self._new_job(project, name, None, body)
         rkey = (project, name, request_id)
@@ -171,7 +173,7 @@ class TrainingJobs:
         job = TrainJob(uuid.uuid4().hex, project, name, request_id)
         self._add_job(job, [{"event": "accepted", "job": job.id, "groups": len(groups),
                              "trajectories": sum(len(g) for g in groups)}])
-        self._spawn(self._run_job(job, model, groups, config))
+        self._spawn(self._run_job(job, model, groups, config, body.get("keep_serving")))
         return job
 
     def _add_job(self, job: TrainJob, events: list[dict[str, Any]]) -> TrainJob:
@@ -272,7 +274,8 @@ class TrainingJobs:
         return self._vocab[model.base_model]
 
     async def _run_job(self, job: TrainJob, model: TrainableModel,
-                       groups: list[TrajectoryGroup], config: TrainConfig) -> None:
+                       groups: list[TrajectoryGroup], config: TrainConfig,
+                       keep_serving: bool | None = None) -> None:
         lock = self._lock(job.project, job.name)
         try:
             if lock.locked():
@@ -281,7 +284,8 @@ class TrainingJobs:
                 job.status = "running"
                 # the request id is committed with the step: a retry finds it
                 result = await self.backend.train(model, groups, config, progress=job.progress,
-                                                  request_id=job.request_id)
+                                                  request_id=job.request_id,
+                                                  keep_serving=keep_serving)
             job.status = "done"
             job.emit({"event": "result", "step": result.step, "metrics": result.metrics})
         except BaseException as e:  # noqa: B036 - the job must always end with an event

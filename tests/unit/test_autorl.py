@@ -52,7 +52,7 @@ class ScriptedBackend:
         return int(f.read_text()) if f.exists() else 0
 
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                    config: Any = None) -> TrainResult:
+                    config: Any = None, **kwargs: Any) -> TrainResult:
         self.trained.append(groups)
         step = await self.get_step(model) + 1
         self._step_file(model).write_text(str(step))
