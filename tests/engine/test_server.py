@@ -287,6 +287,27 @@ async def test_one_request_id_posted_twice_at_once_trains_one_step(served, remot
 
 
 @pytest.mark.engine
+async def test_a_pipeline_trains_through_the_server(served, remote, model, tmp_path):
+    """PipelineTrainer over RemoteBackend; its last step request, sent again with the same
+    id (a restarted pipeline), is answered with the committed step, not trained twice."""
+    from art_core import PipelineTrainer
+    from art_core.pipeline.store import PipelineStore
+    from tests.support.engine import rollout
+
+    before = await remote.get_step(model)
+    result = await PipelineTrainer(
+        model, lambda i: rollout(model, i), [0, 1, 2], run_dir=tmp_path, groups_per_step=1,
+        rollouts_per_group=3, train_config=TrainConfig(learning_rate=1e-3),
+        show_progress=False, print_fn=lambda line: None).run(2)
+    assert [r["step"] for r in result.steps] == [before + 1, before + 2]
+    assert all("off_policy_steps_max" in r for r in result.steps)
+    last = [e for e in PipelineStore(tmp_path).events() if e["event"] == "train"][-1]
+    again = await remote.train(model, [await rollout_group(model)],
+                               request_id=last["request_id"])
+    assert again.step == before + 2 and await remote.get_step(model) == before + 2
+
+
+@pytest.mark.engine
 async def test_delete_checkpoints_unserves_deleted_steps(served, remote, model):
     latest = await remote.get_step(model)
     deleted = await remote.delete_checkpoints(model)
