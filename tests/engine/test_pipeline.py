@@ -166,8 +166,13 @@ async def test_a_langgraph_agent_pipelines(tiny, tmp_path):
     assert [r["step"] for r in result.steps] == [start + 1, start + 2]
 
 
-async def test_an_mcp_agent_pipelines(tiny, tmp_path):
+async def test_an_mcp_agent_pipelines(backend, smollm2_path, tmp_path):
+    """On SmolLM2 (the agent's prompt, with the server's tools, is longer than the tiny
+    model's context)."""
     from art_mcp import AgentConfig, ServerSpec, connect, run_agent
+
+    smol = TrainableModel(name="pipe-mcp", project="pipeline")
+    await smol.register(backend)
 
     server = ServerSpec(command=[sys.executable, str(ROOT / "examples/mcp_server_inventory.py")])
 
@@ -175,14 +180,14 @@ async def test_an_mcp_agent_pipelines(tiny, tmp_path):
         workdir = tmp_path / f"w{random.randrange(10**9)}"
         workdir.mkdir()
         async with connect(server, workdir=workdir) as session:
-            traj = await run_agent(tiny, session, task,
-                                   config=AgentConfig(max_turns=2, max_tokens=24))
+            traj = await run_agent(smol, session, task,
+                                   config=AgentConfig(max_turns=2, max_tokens=48))
         traj.reward = float(traj.metrics["tool_calls"]) + len(traj.turns[-1].logprobs) / 100
         return traj
 
-    start = await tiny.get_step()
+    start = await smol.get_step()
     result = await PipelineTrainer(
-        tiny, rollout, ["Add 5 pens to the stock.", "Move the glue to shelf A3."],
+        smol, rollout, ["Add 5 pens to the stock.", "Move the glue to shelf A3."],
         run_dir=tmp_path / "pipe", groups_per_step=1, rollouts_per_group=2,
         train_config=CONFIG, show_progress=False, print_fn=lambda line: None).run(1)
     assert [r["step"] for r in result.steps] == [start + 1]
