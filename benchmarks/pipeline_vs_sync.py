@@ -20,7 +20,7 @@ never trained on x 3 fields x `--eval-samples` episodes, the tool without its wa
 Printed per run: training wall time, seconds per step (median, min-max), trained groups per
 minute, held-out success before and after with 95% intervals, staleness (mean and max steps
 off policy over the trained turns, share of turns from an older adapter, groups dropped as
-stale). Last line: `speedup: X` = sync wall time / pipelined wall time with the waiting tool.
+stale / running groups cancelled because they could only finish stale). Last line: `speedup: X` = sync wall time / pipelined wall time with the waiting tool.
 
     .venv/bin/python benchmarks/pipeline_vs_sync.py [--steps 4] [--groups-per-step 6]
         [--rollouts-per-group 4] [--systems sync pipelined] [--delays slow none]
@@ -145,7 +145,7 @@ def rate(kn: list[int]) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     head = (f"{'system':<10} {'tool':<5} {'wall s':>7} {'s/step (min-max)':>22} "
             f"{'groups/min':>10} {'held-out before':>19} {'held-out after':>19} "
-            f"{'off-pol mean/max':>16} {'old turns':>9} {'stale':>5} {'RSS GiB':>7}")
+            f"{'off-pol mean/max':>16} {'old turns':>9} {'stale d/c':>9} {'RSS GiB':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
@@ -156,12 +156,14 @@ def report(results: list[dict[str, Any]]) -> str:
         mean = statistics.mean(s.get("off_policy_steps_mean") or 0.0 for s in r["steps"])
         top = max(s.get("off_policy_steps_max") or 0.0 for s in r["steps"])
         old = statistics.mean(s.get("frac_turns_off_policy") or 0.0 for s in r["steps"])
+        stale = (f"{sum(s.get('dropped_stale', 0) for s in r['steps'])}/"
+                 f"{sum(s.get('cancelled_stale', 0) for s in r['steps'])}")
         lines.append(
             f"{r['system']:<10} {r['delay']:<5} {r['wall_s']:7.1f} "
             f"{f'{statistics.median(secs):.1f} ({min(secs):.1f}-{max(secs):.1f})':>22} "
             f"{60 * groups / r['wall_s']:10.1f} {rate(r['before']):>19} {rate(r['after']):>19} "
             f"{f'{mean:.2f} / {top:.0f}':>16} {old:9.2f} "
-            f"{sum(s.get('dropped_stale', 0) for s in r['steps']):5d} {r['peak_rss_gib']:7.2f}")
+            f"{stale:>9} {r['peak_rss_gib']:7.2f}")
     return "\n".join(lines)
 
 

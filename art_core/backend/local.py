@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -408,9 +409,12 @@ class LocalBackend:
                 emit({"phase": "paused", "step": step})
                 await asyncio.to_thread(engine.sleep)
                 asleep = True
+            # dedicated on a CPU: the trainer takes the cores the engine leaves free
+            threads = self._free_cores(engine) if keep_serving else None
             try:
                 metrics = await asyncio.wrap_future(self.trainers.submit(
-                    self.trainers.train_and_save, model, groups, config, step, request_id))
+                    self.trainers.train_and_save, model, groups, config, step, request_id,
+                    "rl", threads))
             except RETRYABLE:
                 raise
             except Exception as e:  # the same groups would fail again: do not replay them
@@ -445,6 +449,13 @@ class LocalBackend:
                     await asyncio.to_thread(engine.wake_up)
             if paused:
                 await self._on_gateway(self._resume)
+
+    def _free_cores(self, engine: VLLMEngine) -> int | None:
+        """The CPU threads a step may use while `engine` keeps serving: the cores beside the
+        engine's (None: the trainer is not on the CPU, or the engine is not)."""
+        if engine.cuda or (self.trainers.device or "cpu") != "cpu":
+            return None
+        return max(1, (os.cpu_count() or 1) - engine.config.cpu_threads)
 
     async def _resume(self) -> None:
         self.gateway.resume()

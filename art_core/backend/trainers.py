@@ -16,11 +16,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +34,23 @@ from art_core.storage import ModelDir
 from art_core.trajectory import TrajectoryGroup
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op CPU threads set to `n` (None: unchanged) on this thread, restored
+    after. All torch work runs on the trainer's one thread, so no other work sees it."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def free_memory() -> None:
@@ -108,10 +126,12 @@ class Trainers:
 
     def train_and_save(self, model: TrainableModel, groups: list[TrajectoryGroup],
                        config: TrainConfig, step: int, request_id: str | None = None,
-                       kind: str = "rl") -> dict[str, float]:
+                       kind: str = "rl", threads: int | None = None) -> dict[str, float]:
         """Train `step` from the latest checkpoint and commit it (see the module docstring);
         returns the step's metrics (Trainer.step's, plus save_seconds). `groups` must be
-        journaled as `step` already: with train_processes > 1 the ranks read them there."""
+        journaled as `step` already: with train_processes > 1 the ranks read them there.
+        `threads`: torch's CPU threads for this step (None: unchanged), e.g. the cores the
+        engine leaves free while it keeps serving."""
         md = self._dir(model)
         if self.train_processes > 1:
             from art_core.train.distributed import run_distributed_step
@@ -123,7 +143,8 @@ class Trainers:
                                         request_id=request_id, kind=kind)
         trainer = self.get(model)
         try:
-            metrics = {k: float(v) for k, v in trainer.step(groups, config).items()}
+            with torch_threads(threads):
+                metrics = {k: float(v) for k, v in trainer.step(groups, config).items()}
             failpoint("trained", step)
             t0 = time.perf_counter()
             tmp = md.temp_checkpoint(step)

@@ -58,6 +58,7 @@ class PipelineResult:
 
     steps: list[dict[str, Any]]
     dropped_stale: int
+    cancelled_stale: int  # running groups cancelled because they could only finish too stale
     failed_groups: int
     filtered_groups: int  # dropped by after_each
     seconds: float
@@ -118,12 +119,13 @@ class PipelineTrainer:
         self._pool = pool
         self._policy = 0
         self._left = steps  # steps still to train in this run
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[asyncio.Task[None], int] = {}  # -> the policy when it started
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._failed_in_a_row = 0
         self.dropped_stale = self.failed_groups = self.filtered_groups = 0
-        self._dropped_since_step = 0
+        self.cancelled_stale = 0
+        self._dropped_since_step = self._cancelled_since_step = 0
 
     def _notify(self) -> None:
         """Wake everything waiting for a change (the producer, the trainer)."""
@@ -156,7 +158,7 @@ class PipelineTrainer:
             await self._wait_for(lambda: len(self._in_flight) < self.max_groups_in_flight
                                  and self._wanted() > 0)
             task = asyncio.ensure_future(self._one_group(next(scenarios), bar))
-            self._in_flight.add(task)
+            self._in_flight[task] = self._policy
             self._show(bar)
 
     async def _one_group(self, scenario: Any, bar: Any) -> None:
@@ -187,11 +189,22 @@ class PipelineTrainer:
         except Exception as e:  # after_each or the store failed: it would again; stop
             self._error = e
         finally:
-            self._in_flight.discard(task)  # type: ignore[arg-type]
+            self._in_flight.pop(task, None)  # type: ignore[arg-type]
             self._notify()
             self._show(bar)
 
     # ---- trainer -----------------------------------------------------------------------------
+
+    def _cancel_doomed(self) -> None:
+        """Cancel running groups that can only finish too stale. A group's first turn is
+        sampled by the policy it started under, or by the next one if it was held through a
+        swap; once the policy is more than `max_steps_off_policy` + 1 steps past its start,
+        it would be dropped, and it only takes the engine from fresher groups."""
+        for task, started in list(self._in_flight.items()):
+            if self._policy - started - 1 > self.max_steps_off_policy and not task.done():
+                task.cancel()
+                self.cancelled_stale += 1
+                self._cancelled_since_step += 1
 
     def _drop_stale(self) -> None:
         stale = [b for b in self._pool
@@ -213,7 +226,9 @@ class PipelineTrainer:
         if self._error is not None:
             raise self._error
         self._show(bar)
-        batch = self._pool[:self.groups_per_step]  # the oldest first
+        # the oldest policy first: the groups closest to going stale (sorted is stable)
+        self._pool.sort(key=lambda b: b.started_step)
+        batch = self._pool[:self.groups_per_step]
         self._pool = self._pool[self.groups_per_step:]
         return batch
 
@@ -230,6 +245,7 @@ class PipelineTrainer:
             "wait_seconds": waited, "train_call_seconds": time.perf_counter() - t0,
             "groups": len(batch), "groups_in_flight": in_flight, "groups_ready": ready,
             "dropped_stale": self._dropped_since_step,
+            "cancelled_stale": self._cancelled_since_step,
             "groups_started_behind": sum(self._policy - b.started_step for b in batch)
             / len(batch),
         }
@@ -237,9 +253,10 @@ class PipelineTrainer:
                   "frac_turns_off_policy", "seconds"):
             if k in m:
                 row["train_seconds" if k == "seconds" else k] = m[k]
-        self._dropped_since_step = 0
+        self._dropped_since_step = self._cancelled_since_step = 0
         await asyncio.to_thread(self.store.committed, request_id, result.step, row)
         self._policy = max(self._policy, result.step)
+        self._cancel_doomed()
         self._notify()
         self._show(bar)
         return row
@@ -305,6 +322,7 @@ class PipelineTrainer:
                 await asyncio.gather(*running, return_exceptions=True)
             bar.close()
         return PipelineResult(steps=rows, dropped_stale=self.dropped_stale,
+                              cancelled_stale=self.cancelled_stale,
                               failed_groups=self.failed_groups,
                               filtered_groups=self.filtered_groups,
                               seconds=time.perf_counter() - t_start,
