@@ -103,10 +103,14 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
                          for q in picked), max_exceptions=0.5, show_progress=False)
                     result = await model.train(groups, config)
                     now = time.perf_counter()
+                    m = result.metrics
                     rows.append({"step": result.step, "seconds": now - last,
-                                 "groups": len(groups), "dropped_stale": 0, **{k: result.metrics.get(k) for k in (
-                                     "off_policy_steps_mean", "off_policy_steps_max",
-                                     "frac_turns_off_policy", "reward_mean")}})
+                                 "groups": len(groups), "dropped_stale": 0,
+                                 "train_seconds": m.get("seconds"),
+                                 **{k: m.get(k) for k in ("off_policy_steps_mean",
+                                                          "off_policy_steps_max",
+                                                          "frac_turns_off_policy",
+                                                          "reward_mean")}})
                     last = now
                     print(f"sync step {result.step}: {rows[-1]['seconds']:.1f} s", flush=True)
             else:
@@ -143,7 +147,7 @@ def rate(kn: list[int]) -> str:
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    head = (f"{'system':<10} {'tool':<5} {'wall s':>7} {'s/step (min-max)':>22} "
+    head = (f"{'system':<10} {'tool':<5} {'wall s':>7} {'s/step (min-max)':>22} {'train s':>7} "
             f"{'groups/min':>10} {'held-out before':>19} {'held-out after':>19} "
             f"{'off-pol mean/max':>16} {'old turns':>9} {'stale d/c':>9} {'RSS GiB':>7}")
     lines = [head, "-" * len(head)]
@@ -161,6 +165,7 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['system']:<10} {r['delay']:<5} {r['wall_s']:7.1f} "
             f"{f'{statistics.median(secs):.1f} ({min(secs):.1f}-{max(secs):.1f})':>22} "
+            f"{statistics.median(s.get('train_seconds') or 0.0 for s in r['steps']):7.1f} "
             f"{60 * groups / r['wall_s']:10.1f} {rate(r['before']):>19} {rate(r['after']):>19} "
             f"{f'{mean:.2f} / {top:.0f}':>16} {old:9.2f} "
             f"{stale:>9} {r['peak_rss_gib']:7.2f}")
