@@ -144,6 +144,10 @@ class LocalBackend:
     def train_processes(self) -> int:
         return self.trainers.train_processes
 
+    @train_processes.setter
+    def train_processes(self, n: int) -> None:
+        self.trainers.train_processes = check_train_processes(n)
+
     @property
     def dedicated_training(self) -> bool:
         """True when the trainer runs on a device no engine uses (a CUDA device past the
@@ -154,10 +158,6 @@ class LocalBackend:
         taken = max((e.config.tensor_parallel_size * e.config.data_parallel_size
                      for e in self._engines.values()), default=1)
         return int(device.split(":", 1)[1]) >= taken
-
-    @train_processes.setter
-    def train_processes(self, n: int) -> None:
-        self.trainers.train_processes = check_train_processes(n)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
