@@ -42,6 +42,12 @@ async def tiny(backend, tiny_models) -> TrainableModel:
     return model
 
 
+def journaled(backend: Any, model: TrainableModel, step: int) -> list[Any]:
+    from art_core.storage import ModelDir
+
+    return ModelDir(backend.root, model.project, model.name).journaled(step)
+
+
 async def groups_of(model: TrainableModel) -> list[Any]:
     return await gather_trajectory_groups(
         [[numbered_rollout(model, i) for i in range(3)]], show_progress=False)
@@ -166,9 +172,10 @@ async def test_a_langgraph_agent_pipelines(tiny, tmp_path):
     assert [r["step"] for r in result.steps] == [start + 1, start + 2]
 
 
-async def test_an_mcp_agent_pipelines(backend, smollm2_path, tmp_path):
+async def test_an_mcp_agent_pipelines_scored_by_ruler(backend, smollm2_path, tmp_path):
     """On SmolLM2 (the agent's prompt, with the server's tools, is longer than the tiny
-    model's context)."""
+    model's context), rewards from RULER as each group completes, the base model judging."""
+    import ruler
     from art_mcp import AgentConfig, ServerSpec, connect, run_agent
 
     smol = TrainableModel(name="pipe-mcp", project="pipeline")
@@ -182,12 +189,16 @@ async def test_an_mcp_agent_pipelines(backend, smollm2_path, tmp_path):
         async with connect(server, workdir=workdir) as session:
             traj = await run_agent(smol, session, task,
                                    config=AgentConfig(max_turns=2, max_tokens=48))
-        traj.reward = float(traj.metrics["tool_calls"]) + len(traj.turns[-1].logprobs) / 100
         return traj
+
+    judge = ruler.hook(f"openai/{smol.base_model}", api_base=smol.base_url, api_key="none",
+                       cache_dir=tmp_path / "ruler", timeout=120)
 
     start = await smol.get_step()
     result = await PipelineTrainer(
         smol, rollout, ["Add 5 pens to the stock.", "Move the glue to shelf A3."],
-        run_dir=tmp_path / "pipe", groups_per_step=1, rollouts_per_group=2,
+        run_dir=tmp_path / "pipe", groups_per_step=1, rollouts_per_group=2, after_each=judge,
         train_config=CONFIG, show_progress=False, print_fn=lambda line: None).run(1)
     assert [r["step"] for r in result.steps] == [start + 1]
+    (group,) = journaled(backend, smol, start + 1)
+    assert all("ruler_score" in t.metrics for t in group.trajectories)

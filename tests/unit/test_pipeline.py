@@ -123,6 +123,32 @@ async def test_a_straggler_trains_within_the_bound_and_is_dropped_beyond_it(
         await backend.close()
 
 
+async def test_a_group_that_can_only_finish_too_stale_is_cancelled(tiny_models, tmp_path):
+    backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
+    slow: dict[str, str] = {}
+    cancelled = asyncio.Event()
+
+    async def hold(scenario: str, step: int) -> None:
+        if slow.setdefault("scenario", scenario) == scenario and step == 0:
+            try:
+                await asyncio.Event().wait()  # a rollout that never finishes by itself
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        await asyncio.sleep(0.2)
+
+    try:
+        rollout = made_up_rollout(model, tokenizer(backend, model), hold)
+        result = await pipeline(model, rollout, tmp_path / "pipe", groups_per_step=1,
+                                max_groups_in_flight=2, max_steps_off_policy=1).run(4)
+        # started under step 0, its first turn came from step 0 or 1: at step 3 it is doomed
+        assert cancelled.is_set() and result.cancelled_stale == 1
+        assert [r["cancelled_stale"] for r in result.steps] == [0, 0, 0, 1]
+        assert result.dropped_stale == 0 and model_dir(backend, model).steps() == [0, 1, 2, 3, 4]
+    finally:
+        await backend.close()
+
+
 def test_turns_of_older_adapters_carry_their_step_and_logprobs_into_the_loss(tiny_models):
     from art_core import Trajectory
 
