@@ -68,6 +68,13 @@ class EngineConfig(_Strict):
         "oversubscription costs 3-10x (FIELD-NOTES). Measured on the agent benchmark "
         "(benchmarks/vs_trl_agent.py): 2 threads cut the rollout by a quarter, but the step "
         "did not change beyond the noise (35.7 against 36.2 s)."))
+    oldest_first: bool = Field(True, description=(
+        "Schedule the requests of older conversations first: the gateway gives each request "
+        "the time its conversation's first turn arrived as vLLM's priority (vLLM's priority "
+        "scheduling; a request that sets its own priority keeps it). Episodes then finish in "
+        "the order they started, so the groups a step waits for complete sooner while newer "
+        "episodes fill the batch (art_core.PipelineTrainer keeps both in flight); with every "
+        "episode started at once (a synchronous step) it is first come, first served."))
     enforce_eager: bool = Field(True, description=(
         "Skip torch.compile/CUDA graphs: starts much faster; vLLM CPU runs eager with LoRA anyway."))
     tensor_parallel_size: int = Field(1, ge=1, description=(

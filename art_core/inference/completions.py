@@ -132,6 +132,8 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
                 up["logprobs"] = 0  # sampled-token logprobs only
             # token in, token out: a continued chat goes to vLLM as ids (splice.py)
             turn = await gw.splicer.plan(route.engine, body) if chat else Plan()
+            if route.engine.config.oldest_first and "priority" not in body:
+                up["priority"] = priority(turn.born or started_at)
             if plan is not None:
                 up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
             elif body.get("stream") and not turn.spliced:
@@ -160,7 +162,7 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
                             started_at=started_at, latency_s=time.time() - started_at)
             if chat:
                 data[SPLICE] = {"spliced": turn.spliced, "reason": turn.reason}
-                gw.splicer.remember(route.engine, body, data, turn)
+                gw.splicer.remember(route.engine, body, data, turn, started_at)
             if capped:
                 _warn_truncated(route, data)
             gw.ledger.add(ledger_record(data, requested, chat))
@@ -218,7 +220,7 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                     gw.splicer.remember(route.engine, body, {
                         "prompt_token_ids": rec["prompt_token_ids"],
                         "choices": [{"token_ids": c["token_ids"], "message": acc["messages"][
-                            c["index"]]} for c in rec["choices"]]}, turn)
+                            c["index"]]} for c in rec["choices"]]}, turn, started_at)
                 if capped:
                     _warn_truncated(route, {"choices": rec["choices"]})
                 gw.ledger.add(rec)
@@ -233,6 +235,15 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
             gw.exit()
 
     return StreamingResponse(relay(), media_type="text/event-stream"), True
+
+
+_EPOCH = time.time()
+
+
+def priority(born: float) -> int:
+    """vLLM's request priority (lower is scheduled first) for a conversation that began at
+    `born`: its age in milliseconds since this process started, so older ones go first."""
+    return max(0, int((born - _EPOCH) * 1000))
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -59,6 +59,7 @@ class Served:
 
     prompt_ids: list[int]
     completion_ids: list[int]
+    born: float = 0.0  # when the conversation's first turn reached the gateway (time.time())
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Plan:
     reason: str | None = None  # set when the request continues a chat and was not spliced
     exact_prefix: bool = True
     history: Any = None  # the hash of the request's history (`Splicer._chain`), for `remember`
+    born: float | None = None  # when the conversation began, if it continues one we served
 
     @property
     def spliced(self) -> bool:
@@ -160,12 +162,13 @@ class Splicer:
             if (served := self._served.get(at[i])) is not None:
                 hits.append((i, served))
                 self._served.move_to_end(at[i])
+        born = hits[0][1].born if hits else None  # the conversation's age, for scheduling
         if not hits or hits[-1][0] != assistants[-1]:
             # an answer we served, in a history that is not the one we served it in: the client
             # edited, dropped or summarised; else the last assistant turn is the client's own
             known = hits or message_key(messages[assistants[-1]]) in self._answers
             return self._count(Plan(reason="rewritten_history" if known
-                                    else "unknown_prior_turn", history=history))
+                                    else "unknown_prior_turn", history=history, born=born))
         upto, served = hits[-1]
         await self.prepare(engine)
         tok = self._tokenizers[engine.served_name]
@@ -181,13 +184,14 @@ class Splicer:
             log.debug("splice render failed: %s", e)
             return self._count(Plan(reason="template_error", history=history))
         plan = Plan(prompt_ids=served.prompt_ids + served.completion_ids + sfx.token_ids,
-                    exact_prefix=sfx.exact_prefix, history=history)
+                    exact_prefix=sfx.exact_prefix, history=history, born=born)
         return self._count(plan)
 
     def remember(self, engine: VLLMEngine, body: dict[str, Any], data: dict[str, Any],
-                 turn: Plan | None = None) -> None:
+                 turn: Plan | None = None, started_at: float = 0.0) -> None:
         """Remember each choice of a chat answer (with our token fields) for the next turn;
-        `turn` is this request's plan, whose hash of the history is reused."""
+        `turn` is this request's plan, whose hash of the history is reused; `started_at`,
+        when this request arrived (the conversation's birth if it is its first turn)."""
         prompt = data.get("prompt_token_ids")
         if not prompt or not engine.config.splice_turns:
             return
@@ -201,7 +205,8 @@ class Splicer:
                                                **(choice.get("message") or {})})
             k.update(answer.encode())
             # the lists the ledger keeps too (not copies): the memory is paid once
-            self._served[k.digest()] = Served(prompt, ids)
+            born = turn.born if turn is not None and turn.born is not None else started_at
+            self._served[k.digest()] = Served(prompt, ids, born)
             self._answers[answer] = None
             while len(self._served) > self.size:
                 self._served.popitem(last=False)

@@ -79,6 +79,8 @@ def vllm_command(model_path: str, served_name: str, port: int, config: EngineCon
              "--max-loras", str(c.max_loras), "--max-cpu-loras", str(c.max_cpu_loras)]
     if c.enforce_eager:
         args.append("--enforce-eager")
+    if c.oldest_first:  # the gateway sets each request's priority (inference/completions.py)
+        args += ["--scheduling-policy", "priority"]
     if c.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
     if c.chat_template:

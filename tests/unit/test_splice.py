@@ -373,6 +373,7 @@ async def test_a_continued_chat_goes_to_vllm_as_ids_and_comes_back_as_a_chat_com
     traj = Traj(messages=list(messages), tools=TOOLS)
     traj.add_completion(r1)
     assert sent[-1][0] == "/v1/chat/completions" and not traj.turns[0].spliced
+    born = sent[-1][1]["priority"]  # oldest_first: the conversation's age is its priority
     traj.messages.append({"role": "tool", "tool_call_id": "chatcmpl-tool-1",
                           "content": "a writing tool"})
 
@@ -390,6 +391,7 @@ async def test_a_continued_chat_goes_to_vllm_as_ids_and_comes_back_as_a_chat_com
     assert route == "/v1/completions"
     assert up["prompt"][: len(prompt) + len(first)] == prompt + first
     assert "messages" not in up and up["return_token_ids"] is True
+    assert up["priority"] == born  # a later turn keeps its conversation's place
     (tc,) = r2.choices[0].message.tool_calls
     assert (tc.function.name, json.loads(tc.function.arguments)) == ("lookup", {"q": "ink"})
     assert r2.choices[0].finish_reason == "tool_calls"
@@ -408,8 +410,18 @@ async def test_a_continued_chat_goes_to_vllm_as_ids_and_comes_back_as_a_chat_com
                                                   tools=TOOLS, stream=True)
     chunks = [c async for c in stream]
     assert sent[-1][0] == "/v1/completions" and "stream" not in sent[-1][1]
+    assert sent[-1][1]["priority"] == born
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == \
         "Ink is a liquid."
+
+
+def test_older_conversations_get_earlier_priorities():
+    import time
+
+    from art_core.inference.completions import priority
+
+    now = time.time()
+    assert 0 <= priority(now - 5) < priority(now) < priority(now + 0.01)
 
 
 def replies_last(text: str, tok: Any) -> dict[str, Any]:
