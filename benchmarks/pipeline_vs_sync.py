@@ -2,9 +2,11 @@
 
 The agent is the demo's (art_langgraph/demo.py): a LangGraph graph, model -> ToolNode -> model,
 answering questions about made-up countries with `lookup_country`, two worked examples in the
-prompt, recorded by `TrajectoryRecorder`. Here its tool waits like a real service: each call
-sleeps a random 0.2-3.0 s (uniform, seeded; `--delay LO HI`) before it answers, as a web API or
-a database would; `--delays none` runs the same tool without the wait.
+prompt, recorded by `TrajectoryRecorder`. `--task single`: the demo's questions (one lookup, an
+answer); `--task multi`: benchmarks/vs_trl_agent.py's two-country questions (two lookups, an
+answer; its reward). Here the tool waits like a real service: each call sleeps a random
+0.2-3.0 s (uniform, seeded; `--delay LO HI`) before it answers, as a web API or a database
+would; `--delays none` runs the same tool without the wait.
 
 - sync: each step gathers `--groups-per-step` questions x `--rollouts-per-group` episodes,
   waits for the slowest, then trains one GRPO step (art_core.loop.train_loop's body).
@@ -65,6 +67,39 @@ def slow_tool(lo: float, hi: float, seed: int) -> Any:
                                         args_schema=lookup_country.args_schema)
 
 
+def agent(task: str, llm: Any, tool: Any) -> tuple[Any, list[Any], list[Any]]:
+    """(episode function, training questions, held-out questions) of `--task`."""
+    from art_langgraph import demo
+
+    if task == "single":
+        graph = demo.build_agent(llm, tool)
+        return (lambda q: demo.episode(graph, q), demo.questions(demo.TRAIN_COUNTRIES),
+                demo.questions(demo.HELD_OUT_COUNTRIES))
+    from art_langgraph.messages import to_openai_message
+    from art_langgraph.recorder import TrajectoryRecorder
+    from benchmarks import vs_trl_agent as race
+
+    graph = race.build_agent(llm, race.LOOKUPS["multi"], tool)
+
+    async def episode(q: Any) -> Any:
+        parts: dict[str, Any] = {}
+
+        def reward(state: dict[str, Any]) -> float:
+            turns = [to_openai_message(m) for m in demo.this_question(state["messages"])]
+            looked_up, answer, calls = race.episode(turns)
+            parts.update(reward=race.score(q, looked_up, answer), calls=calls)
+            return parts["reward"]
+
+        recorder = TrajectoryRecorder(reward=reward)
+        await graph.ainvoke({"messages": demo.prompt(q)}, config={"callbacks": [recorder]})
+        traj = await recorder.afinish()
+        traj.metrics.update(success=parts["reward"] >= 0.8, tool_calls=parts["calls"] - 1)
+        return traj
+
+    return (episode, race.all_tasks("multi"),
+            race.all_tasks("multi", demo.HELD_OUT_COUNTRIES))
+
+
 async def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One (system, delay) run in this process; returns its measurements."""
     from art_core import LocalBackend, PipelineTrainer, TrainableModel, TrainConfig
@@ -76,7 +111,6 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
     demo._quiet()
     run_dir = Path(tempfile.mkdtemp(prefix=f"pipe-{args.system}-{args.delay_mode}-"))
     config = TrainConfig(learning_rate=args.learning_rate)
-    train_q, held = demo.questions(demo.TRAIN_COUNTRIES), demo.questions(demo.HELD_OUT_COUNTRIES)
     with TreeRSS() as rss:
         async with LocalBackend(run_dir) as backend:
             model = TrainableModel(name="agent", project="bench")
@@ -84,11 +118,12 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
             llm = init_chat_model(model, max_tokens=demo.MAX_TOKENS, temperature=demo.TEMPERATURE)
             tool = slow_tool(*args.delay, seed=args.seed) if args.delay_mode == "slow" \
                 else demo.lookup_country
-            graph, eval_graph = demo.build_agent(llm, tool), demo.build_agent(llm)
+            episode, train_q, _ = agent(args.task, llm, tool)
+            eval_episode, _, held = agent(args.task, llm, demo.lookup_country)
 
             async def held_out(step: int) -> EvalStats:
-                return await evaluate(lambda q: demo.episode(eval_graph, q), held, step,
-                                      rollouts=args.eval_samples, description=f"eval {step}")
+                return await evaluate(eval_episode, held, step, rollouts=args.eval_samples,
+                                      description=f"eval {step}")
 
             before = await held_out(0)
             rows: list[dict[str, Any]] = []
@@ -99,7 +134,7 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     picked = random.Random(f"{args.seed}-{i}").sample(train_q,
                                                                       args.groups_per_step)
                     groups = await gather_trajectory_groups(
-                        ([demo.episode(graph, q) for _ in range(args.rollouts_per_group)]
+                        ([episode(q) for _ in range(args.rollouts_per_group)]
                          for q in picked), max_exceptions=0.5, show_progress=False)
                     result = await model.train(groups, config)
                     now = time.perf_counter()
@@ -115,7 +150,7 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"sync step {result.step}: {rows[-1]['seconds']:.1f} s", flush=True)
             else:
                 trainer = PipelineTrainer(
-                    model, lambda q: demo.episode(graph, q), train_q,
+                    model, episode, train_q,
                     run_dir=run_dir / "pipeline", groups_per_step=args.groups_per_step,
                     rollouts_per_group=args.rollouts_per_group,
                     max_steps_off_policy=args.max_steps_off_policy,
@@ -175,6 +210,7 @@ def report(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("single", "multi"), default="single")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--groups-per-step", type=int, default=6)
     p.add_argument("--rollouts-per-group", type=int, default=4)

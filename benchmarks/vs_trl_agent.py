@@ -97,11 +97,13 @@ class Task:
                 "currencies": f"What are the currencies of {a} and {b}?"}[self.kind]
 
 
-def all_tasks(task: str) -> list[Task]:
-    """The training questions in a fixed order (the demo's training countries)."""
+def all_tasks(task: str, countries: list[str] | None = None) -> list[Task]:
+    """The questions in a fixed order, about `countries` (default: the demo's training
+    countries; the held-out ones make held-out questions)."""
+    countries = demo.TRAIN_COUNTRIES if countries is None else countries
     if task == "single":
-        return [Task("field", (q.country,), q.field) for q in demo.questions(demo.TRAIN_COUNTRIES)]
-    countries, out = demo.TRAIN_COUNTRIES, []
+        return [Task("field", (q.country,), q.field) for q in demo.questions(countries)]
+    out = []
     for i, a in enumerate(countries):
         b = countries[(i + 5) % len(countries)]
         kind = "larger" if i % 2 == 0 else "currencies"
@@ -258,9 +260,10 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
 # ---- ours ---------------------------------------------------------------------------------
 
 
-def build_agent(llm: Any, lookups: int) -> Any:
+def build_agent(llm: Any, lookups: int, tool: Any = None) -> Any:
     """model -> tools -> model, as the demo's build_agent: the first `lookups` turns must call
-    the tool, at most `lookups + 1` model turns (TRL's max_tool_calling_iterations + 1)."""
+    the tool, at most `lookups + 1` model turns (TRL's max_tool_calling_iterations + 1).
+    `tool`: what runs the calls (default: the demo's `lookup_country`)."""
     from transformers.utils import get_json_schema
 
     schema = get_json_schema(lookup_country)  # what TRL renders for the callable
@@ -278,7 +281,7 @@ def build_agent(llm: Any, lookups: int) -> Any:
 
     graph = StateGraph(MessagesState)
     graph.add_node("agent", agent)
-    graph.add_node("tools", ToolNode([demo.lookup_country]))
+    graph.add_node("tools", ToolNode([tool or demo.lookup_country]))
     graph.add_edge(START, "agent")
     graph.add_conditional_edges("agent", next_step, ["tools", END])
     graph.add_edge("tools", "agent")
