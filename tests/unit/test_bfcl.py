@@ -160,13 +160,19 @@ def test_split_caps_training_items_and_refuses_holding_out_everything(tmp_path):
 def test_table_counts_per_category_with_wilson_intervals():
     outcomes = ([("simple_python", Verdict(True))] * 3
                 + [("simple_python", Verdict(False, "value_error:others"))] * 7
-                + [("multiple", Verdict(False, "simple_function_checker:wrong_func_name"))] * 2)
+                + [("multiple", Verdict(False, "simple_function_checker:wrong_func_name"))] * 2
+                + [("parallel", Verdict(True))] * 4)
     rows = summarize(outcomes)
     assert [(r.category, r.items, r.passed) for r in rows] == [
-        ("simple_python", 10, 3), ("multiple", 2, 0), ("all", 12, 3)]
+        ("simple_python", 10, 3), ("multiple", 2, 0), ("parallel", 4, 4),
+        ("simple_python+multiple", 12, 3), ("all", 16, 7)]
     assert rows[0].errors == {"value_error:others": 7}
+    assert rows[3].errors == {"value_error:others": 7, "simple_function_checker:wrong_func_name": 2}
     text = table(rows)
     assert "30.0%" in text and "[11%, 60%]" in text and "value_error:others 7" in text
+    assert [(r.category, r.items) for r in summarize(outcomes[:10])] == [("simple_python", 10)]
+    two = table({"step 0": rows[:1], "step 12": rows[:1]}).splitlines()
+    assert two[1].startswith("step 0 ") and two[2].startswith("step 12 ")
 
 
 @pytest.mark.parametrize("mode,category,parallel", [
