@@ -14,8 +14,10 @@ missing argument, wrong count, ...).
     .venv/bin/python benchmarks/bfcl_eval.py --base-url http://127.0.0.1:7999/v1 --model agent
 
 Model names are the gateway's: the base model by its own name, a trained model `name` (its
-latest step) or `name@k`. Without `--base-url` the script starts a LocalBackend: on a temporary
-directory for a base model, on `--path` for a trained one. How items are asked (forced strict
+latest step) or `name@k`. Without `--base-url` the script starts a LocalBackend: for a base
+model it asks a fresh model's step 0 in a temporary directory (the base's weights, served
+merged: on a CPU ~4x faster than the base's own name, which the gateway serves as a LoRA delta
+beside them); for a trained model, its run directory (`--path`, `--project`). How items are asked (forced strict
 calls, parallel calls allowed, greedy) is `benchmarks/bfcl/tasks.py`'s `Prompting`, the same
 prompting `examples/bfcl_rl.py` trains and reports with; see docs/bfcl.md.
 """
@@ -127,14 +129,17 @@ async def _local(a: argparse.Namespace, items: list[Item], worker: BfclWorker,
         elif "@" in a.model:
             raise SystemExit(f"no trained model {name!r} in {trained.parent}: train one with "
                              "examples/bfcl_rl.py, or give --path and --project")
-        else:  # a base model, served by its own name beside a throwaway adapter
-            path, model = tmp, TrainableModel(name="bfcl-eval", project="bench",
+        else:  # a base model: a fresh model's step 0 (see below)
+            path, model = tmp, TrainableModel(name="bfcl-base", project="bench",
                                               base_model=a.model)
         async with LocalBackend(path) as backend:
             t0 = time.perf_counter()
             await model.register(backend)
             print(f"engine and gateway up in {time.perf_counter() - t0:.0f} s")
-            await run(model.openai_client(), a.model, items, worker, prompting, a.concurrency)
+            # A fresh model's step 0 is the base's weights (its adapter is zero), served merged;
+            # the base's own name is served as a LoRA delta beside them, ~4x slower on a CPU.
+            asked = model.name if path == tmp else a.model
+            await run(model.openai_client(), asked, items, worker, prompting, a.concurrency)
 
 
 if __name__ == "__main__":

@@ -191,3 +191,34 @@ def test_a_missing_side_environment_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("BFCL_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(BfclUnavailable, match=r"does not exist: .*scripts/setup.sh --dev"):
         BfclWorker()
+
+
+@needs_worker
+def test_the_examples_split_is_saved_and_a_different_one_refused(worker, tmp_path):
+    from tests.support.data import load_example
+
+    example = load_example("bfcl_rl")
+    split = example.the_split(worker, tmp_path, seed=0)
+    saved = json.loads((tmp_path / "split.json").read_text())
+    assert saved["held_out"] == split.held_out and saved["bfcl_version"] == BFCL_VERSION
+    for cat, n in example.HELD_OUT.items():
+        assert len(split.held_out[cat]) == n
+        assert not set(split.held_out[cat]) & set(split.train[cat])
+    assert example.the_split(worker, tmp_path, seed=0) == split  # the next run reads it back
+    with pytest.raises(SystemExit, match="split.json was made with other settings"):
+        example.the_split(worker, tmp_path, seed=1)
+
+
+@needs_worker
+def test_the_benchmark_asks_only_held_out_items_of_a_split(worker):
+    from tests.support.data import load_benchmark
+
+    bench = load_benchmark("bfcl_eval")
+    items = worker.load("multiple")
+    split = make_split(items, {"multiple": 20}, seed=5)
+    chosen = bench.select(worker, ["multiple"], limit=None, split=split)
+    assert {i.id for i in chosen} == set(split.held_out["multiple"])
+    assert [i.id for i in bench.select(worker, ["multiple"], limit=3)] == [
+        "multiple_0", "multiple_1", "multiple_2"]
+    with pytest.raises(SystemExit, match="holds out nothing of 'parallel'"):
+        bench.select(worker, ["parallel"], split=split)
