@@ -17,7 +17,10 @@ choose a function and fill its arguments, scored by BFCL's own checker, on a 2-c
 5. Each step: `groups_per_step` training items x `rollouts_per_group` attempts sampled at
    `TEMPERATURE`, one GRPO step on a LoRA, hot-swap (art_core.loop.train_loop).
 
-The prompting is the same before and after: only the weights change.
+The prompting is the same before and after: only the weights change. Several calls are
+allowed on every item (as OpenAI's API default, which BFCL's handler leaves alone), so how many
+calls to make is the model's to learn: the base model fills a call well but repeats it, which
+BFCL fails as a wrong count (see docs/bfcl.md for the measured runs).
 """
 
 from __future__ import annotations
