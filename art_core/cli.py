@@ -24,6 +24,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from art_core.config import SFTConfig
+
 COMMAND_GROUP = "art.commands"
 
 
@@ -175,6 +177,61 @@ def view(
     except (FileNotFoundError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=1) from None
+
+
+@app.command()
+def sft(
+    data: str = typer.Argument(..., help="JSONL file in the OpenAI fine-tuning chat format."),
+    model: str = typer.Option(..., "--model", help="Name of the model to train (created if new)."),
+    project: str = typer.Option("default", "--project"),
+    base_model: str = typer.Option("", "--base-model", show_default=False,
+                                   help="Base of a new model. Default: the embedded SmolLM2."),
+    path: str = typer.Option(".art", "--path", help="Run directory (in-process backend)."),
+    url: str = typer.Option("", "--url", show_default=False,
+                            help="An `art serve` server to train on instead of in-process."),
+    epochs: int = typer.Option(3, min=1), learning_rate: float = typer.Option(2e-4, min=0.0),
+    batch_size: int = typer.Option(8, min=1),
+    assistant_turns: str = typer.Option("all", help="'all' or 'last'."),
+) -> None:
+    """Supervised fine-tuning on a chat JSONL file: one step of the model's LoRA (the same
+    checkpoints RL continues from). Bad lines are refused with file and line."""
+    from art_core.sft.data import SFTDataError, load_chat_jsonl
+
+    try:
+        examples = load_chat_jsonl(data)  # refused here, before an engine starts
+        config = SFTConfig(epochs=epochs, learning_rate=learning_rate, batch_size=batch_size,
+                           assistant_turns=assistant_turns)  # type: ignore[arg-type]
+    except (SFTDataError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    _run(_sft(examples, model, project, base_model, path, url, config))
+
+
+async def _sft(examples: list[Any], name: str, project: str, base_model: str, path: str,
+               url: str, config: SFTConfig) -> None:
+    from art_core.model import TrainableModel
+
+    backend: Any
+    if url:
+        from art_core.backend.remote import RemoteBackend
+
+        backend = RemoteBackend(url)
+    else:
+        from art_core.backend.local import LocalBackend
+
+        backend = LocalBackend(path)
+    kwargs = {"base_model": base_model} if base_model else {}
+    model = TrainableModel(name=name, project=project, **kwargs)
+    try:
+        await model.register(backend)
+        result = await model.train_sft(examples, config)
+    finally:
+        await backend.close()
+    m = result.metrics
+    typer.echo(f"step {result.step} (sft): {int(m.get('examples', 0))} examples, loss "
+               f"{m.get('loss_first_epoch', 0):.4f} -> {m.get('loss', 0):.4f}, "
+               f"{int(m.get('skipped_over_long', 0))} skipped as too long, "
+               f"{m.get('seconds', 0):.1f} s")
 
 
 @app.command()

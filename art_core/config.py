@@ -189,3 +189,44 @@ class TrainConfig(_Strict):
         low = defaults[0] if self.epsilon_low is None else self.epsilon_low
         high = defaults[1] if self.epsilon_high is None else self.epsilon_high
         return low, high
+
+
+class SFTConfig(_Strict):
+    """One supervised fine-tuning call (`model.train_sft`): several optimizer updates over the
+    data, committed as one checkpoint step of the same LoRA that RL trains."""
+
+    epochs: int = Field(3, ge=1, description=(
+        "Passes over the data. Agent SFT sets are small (tens to hundreds of trajectories): one "
+        "pass moves a rank-8 LoRA little; more than a few overfits the worked format."))
+    batch_size: int = Field(8, ge=1, description=(
+        "Examples per optimizer update; the loss is the mean over the batch's trained tokens."))
+    micro_batch_size: int = Field(4, ge=1, description=(
+        "Rows per forward/backward; gradients accumulate to one update per batch."))
+    learning_rate: float = Field(2e-4, gt=0, description=(
+        "Peak AdamW rate: the common LoRA SFT rate (QLoRA, 2023) for 0.1-8B models, 2x the RL "
+        "default because the supervised signal is dense and certain."))
+    schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description=(
+        "Rate over the call's updates after warm-up: cosine to 0 (the usual SFT schedule), "
+        "linear to 0, or constant."))
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description=(
+        "Share of the updates that ramp the rate up linearly; LoRA starts at B = 0, so little "
+        "is needed."))
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; none for LoRA.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping: a standard guard.")
+    assistant_turns: Literal["all", "last"] = Field("all", description=(
+        "Which assistant turns are trained: every one (tool calls included), or the last only "
+        "(e.g. data whose earlier turns came from another policy). Messages with weight 0 are "
+        "never trained (OpenAI's fine-tuning format)."))
+    max_length: int | None = Field(None, ge=16, description=(
+        "Longest example in tokens; None: the base model's context length."))
+    over_long: Literal["skip", "error"] = Field("skip", description=(
+        "An example longer than max_length: skipped and counted in the metrics "
+        "(`skipped_over_long`), or an error naming it. Never truncated: a cut example would "
+        "teach a conversation that stops mid-turn."))
+    packing: bool = Field(True, description=(
+        "Examples that share a prefix (the same system prompt and tools) train in one row over "
+        "it, forwarded once (art_core/train/packing.py): same loss and gradients, fewer tokens."))
+    gradient_checkpointing: bool = Field(True, description=(
+        "Recompute activations in backward: less memory for long agent examples, ~20% slower."))
+    bf16: bool | None = Field(None, description="bf16 autocast; None = where supported.")
+    seed: int = Field(0, description="Seed of the shuffle between epochs: reproducible runs.")

@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from art_core.config import ModelConfig
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from openai import AsyncOpenAI
 
-    from art_core.config import TrainConfig
-    from art_core.trajectory import TrajectoryGroup
+    from art_core.config import SFTConfig, TrainConfig
+    from art_core.trajectory import Trajectory, TrajectoryGroup
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -76,6 +78,11 @@ class Backend(Protocol):
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup],
                     config: TrainConfig | None = None, *, request_id: str | None = None,
                     keep_serving: bool | None = None) -> TrainResult: ...
+
+    async def train_sft(self, model: TrainableModel,
+                        data: list[Trajectory | TrajectoryGroup] | str | Path,
+                        config: SFTConfig | None = None, *,
+                        request_id: str | None = None) -> TrainResult: ...
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup],
                   split: str = "val") -> None: ...
@@ -174,6 +181,17 @@ class TrainableModel(Model):
         or waits for it (False: one device); None lets the backend choose from its hardware."""
         return await self.backend.train(self, groups, config=config, request_id=request_id,
                                         keep_serving=keep_serving)
+
+    async def train_sft(
+        self, data: list[Trajectory | TrajectoryGroup] | str | Path,
+        config: SFTConfig | None = None, *, request_id: str | None = None,
+    ) -> TrainResult:
+        """One supervised fine-tuning step on `data`: trajectories or groups (e.g. a stronger
+        model's best rollouts), or a JSONL file in the OpenAI fine-tuning chat format
+        (`{"messages": [...], "tools": [...]}` per line). Token cross-entropy on the assistant
+        turns, on the same LoRA and checkpoint chain as `train`: RL continues from it.
+        `request_id` as in `train`."""
+        return await self.backend.train_sft(self, data, config=config, request_id=request_id)
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> None:
         """Record groups not trained on (e.g. validation rollouts) at the current step: in the

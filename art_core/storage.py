@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from art_core.config import SFTConfig
 from art_core.model import validate_name
 from art_core.trajectory import TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
 
@@ -159,7 +160,8 @@ class ModelDir:
             rec = self.step_record(step)
             if step not in have and rec is not None and rec.get("kind") != "init" \
                     and "metrics" in rec:
-                self.append_history({"step": step, **rec["metrics"]})
+                self.append_history({"step": step, "kind": rec.get("kind", "rl"),
+                                     **rec["metrics"]})
                 repaired.append(step)
         return repaired
 
@@ -197,9 +199,23 @@ class ModelDir:
         p = self.path / "model.json"
         return json.loads(p.read_text()) if p.exists() else None
 
-    def journal_groups(self, step: int, groups: list[TrajectoryGroup]) -> Path:
-        """Write the groups of `step` before it trains (replacing an earlier attempt's)."""
+    def journal_groups(self, step: int, groups: list[TrajectoryGroup],
+                       sft: SFTConfig | None = None) -> Path:
+        """Write the groups of `step` before it trains (replacing an earlier attempt's). An
+        SFT step's config is journaled beside them (`<step>.sft.json`, first), so a replay
+        trains it as SFT again."""
+        marker = self.journal / f"{step:04d}.sft.json"
+        if sft is not None:
+            self.journal.mkdir(parents=True, exist_ok=True)
+            _write_durable(marker, sft.model_dump_json().encode())
+        else:
+            marker.unlink(missing_ok=True)
         return write_groups_jsonl(groups, self.journal / f"{step:04d}.jsonl")
+
+    def journaled_sft_config(self, step: int) -> SFTConfig | None:
+        """The SFTConfig journaled with `step`, if it is an SFT step."""
+        marker = self.journal / f"{step:04d}.sft.json"
+        return SFTConfig.model_validate_json(marker.read_text()) if marker.exists() else None
 
     def journaled(self, step: int) -> list[TrajectoryGroup] | None:
         p = self.journal / f"{step:04d}.jsonl"

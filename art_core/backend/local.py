@@ -39,7 +39,7 @@ from typing import Any
 
 from art_core.backend.trainers import Trainers
 from art_core.base_models import base_model_limits, resolve_base_model
-from art_core.config import TrainConfig
+from art_core.config import SFTConfig, TrainConfig
 from art_core.failpoints import failpoint
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.gateway import Gateway
@@ -50,6 +50,7 @@ from art_core.observe.loggers import Loggers
 from art_core.storage import ModelDir
 from art_core.train.errors import RetryableStepError
 from art_core.trajectory import (
+    Trajectory,
     TrajectoryGroup,
     check_groups,
     check_sequence_lengths,
@@ -360,8 +361,32 @@ class LocalBackend:
         # cancelling the caller does not cut the step in half: it finishes and frees the lock
         return await asyncio.shield(task)
 
+    async def train_sft(self, model: TrainableModel,
+                        data: list[Trajectory | TrajectoryGroup] | str | Path,
+                        config: SFTConfig | None = None, *,
+                        progress: Callable[[dict[str, Any]], None] | None = None,
+                        request_id: str | None = None) -> TrainResult:
+        """One supervised step on `data` (trajectories, groups, or a JSONL file in the
+        OpenAI fine-tuning chat format): the same adapter, checkpoints, step numbering, gate
+        and swap as `train`, journaled and resumable alike (art_core/train/sft.py)."""
+        from art_core.sft.data import as_trajectories
+
+        config = config or SFTConfig()
+        examples = await asyncio.to_thread(as_trajectories, data)
+        self._check_registered(model)
+        if self.train_processes > 1:
+            raise ValueError("SFT trains in one process: use a backend with train_processes=1")
+        lock = self._model_lock(model)
+        await acquire(lock)
+        task = asyncio.ensure_future(self._step(
+            lock, model, [TrajectoryGroup(trajectories=examples)], config,
+            progress or (lambda event: None), request_id, False))
+        self._steps.add(task)
+        task.add_done_callback(self._steps.discard)
+        return await asyncio.shield(task)
+
     async def _step(self, lock: threading.Lock, model: TrainableModel,
-                    groups: list[TrajectoryGroup], config: TrainConfig,
+                    groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
                     emit: Callable[[dict[str, Any]], None], request_id: str | None,
                     keep_serving: bool) -> TrainResult:
         try:
@@ -374,14 +399,18 @@ class LocalBackend:
             await asyncio.to_thread(md.check_writable, md.step_bytes())
             step = (md.latest_step() or 0) + 1
             # before anything else: a crash loses no rollout (in a thread: it fsyncs)
-            await asyncio.to_thread(md.journal_groups, step, groups)
+            sft = config if isinstance(config, SFTConfig) else None
+            await asyncio.to_thread(md.journal_groups, step, groups, sft)
             failpoint("journaled", step)
             emit({"phase": "journaled", "step": step, "groups": len(groups)})
             metrics = await self._train_published(model, groups, config, step, request_id,
                                                   emit, keep_serving)
-            metrics.update(off_policy_metrics(groups, step - 1))
+            if sft is None:
+                metrics.update(off_policy_metrics(groups, step - 1))
+            kind = "rl" if sft is None else "sft"
             try:
-                await asyncio.to_thread(md.append_history, {"step": step, **metrics})
+                await asyncio.to_thread(md.append_history, {"step": step, "kind": kind,
+                                                            **metrics})
             except OSError as e:  # the step is committed; its row is rebuilt at registration
                 log.warning("%s/%s step %d: history row not written (%s)", model.project,
                             model.name, step, e)
@@ -394,7 +423,7 @@ class LocalBackend:
             lock.release()
 
     async def _train_published(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                               config: TrainConfig, step: int, request_id: str | None,
+                               config: TrainConfig | SFTConfig, step: int, request_id: str | None,
                                emit: Callable[[dict[str, Any]], None],
                                keep_serving: bool = False) -> dict[str, float]:
         """Steps 2-7 of the module docstring, with the gate closed (with `keep_serving`, only
@@ -414,7 +443,7 @@ class LocalBackend:
             try:
                 metrics = await asyncio.wrap_future(self.trainers.submit(
                     self.trainers.train_and_save, model, groups, config, step, request_id,
-                    "rl", threads))
+                    threads))
             except RETRYABLE:
                 raise
             except Exception as e:  # the same groups would fail again: do not replay them
@@ -490,7 +519,12 @@ class LocalBackend:
                 log.warning("%s/%s: journaled step %d cannot be replayed (%s); marked failed",
                             model.project, model.name, step, e)
                 continue
-            if groups:
+            if not groups:
+                continue
+            sft = md.journaled_sft_config(step)
+            if sft is not None:  # an interrupted SFT step trains as SFT again
+                results.append(await self.train_sft(model, groups, sft))
+            else:
                 results.append(await self.train(model, groups, config))
         return results
 

@@ -35,10 +35,10 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, Field
 
-from art_core.config import TrainConfig
+from art_core.config import SFTConfig, TrainConfig
 from art_core.model import Endpoint, TrainableModel, TrainResult, validate_name
 from art_core.protocol import API_PREFIX, REQUEST_ID, TRAIN_PHASES, is_loopback_host
-from art_core.trajectory import TrajectoryGroup, check_groups
+from art_core.trajectory import Trajectory, TrajectoryGroup, check_groups
 
 DEFAULT_URL = "http://127.0.0.1:7999"
 log = logging.getLogger(__name__)
@@ -167,16 +167,35 @@ class RemoteBackend:
         `request_id` (default: a new one): the same id sent again, by this call's retries or
         by a restarted caller, gets the step it committed instead of a second one.
         `keep_serving`: as LocalBackend.train's (None: the server decides)."""
-        from tqdm.auto import tqdm
-
         groups = check_groups(groups)
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not REQUEST_ID.fullmatch(request_id):
-            raise ValueError(f"request_id must be 1-64 letters, digits, '-' or '_', got "
-                             f"{request_id!r}")
+        request_id = _request_id(request_id)
         content = await asyncio.to_thread(_train_body, groups, config, request_id,
                                           keep_serving)
+        return await self._train_request(model, content, progress)
+
+    async def train_sft(self, model: TrainableModel,
+                        data: list[Trajectory | TrajectoryGroup] | str | Path,
+                        config: SFTConfig | None = None, *,
+                        progress: Callable[[dict[str, Any]], None] | None = None,
+                        request_id: str | None = None) -> TrainResult:
+        """One supervised step on the server (LocalBackend.train_sft there). A JSONL path is
+        read and checked here, so a bad line is refused before anything is sent; retries
+        and `request_id` as in `train`."""
+        from art_core.sft.data import as_trajectories
+
+        examples = await asyncio.to_thread(as_trajectories, data)
+        request_id = _request_id(request_id)
+        content = await asyncio.to_thread(
+            _train_body, [TrajectoryGroup(trajectories=examples)], config or SFTConfig(),
+            request_id)
+        return await self._train_request(model, content, progress)
+
+    async def _train_request(self, model: TrainableModel, content: bytes,
+                             progress: Callable[[dict[str, Any]], None] | None
+                             ) -> TrainResult:
+        """Post a train request, retrying the same request id until the retry deadline."""
+        from tqdm.auto import tqdm
+
         bar = tqdm(total=len(TRAIN_PHASES), desc=f"train {model.name}", unit="phase",
                    disable=None if self.progress_bar is None else not self.progress_bar,
                    bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
@@ -343,10 +362,23 @@ class RemoteBackend:
         await self.close()
 
 
-def _train_body(groups: list[TrajectoryGroup], config: TrainConfig | None,
+def _request_id(request_id: str | None) -> str:
+    """The caller's request id, checked, or a new one."""
+    if request_id is None:
+        return uuid.uuid4().hex
+    if not REQUEST_ID.fullmatch(request_id):
+        raise ValueError(f"request_id must be 1-64 letters, digits, '-' or '_', got "
+                         f"{request_id!r}")
+    return request_id
+
+
+def _train_body(groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig | None,
                 request_id: str, keep_serving: bool | None = None) -> bytes:
-    """The train request's JSON, built from pydantic's own serializer (fast, exact floats)."""
+    """The train request's JSON, built from pydantic's own serializer (fast, exact floats).
+    An SFTConfig makes it an SFT step (`"kind": "sft"`)."""
     cfg = config.model_dump_json() if config is not None else "null"
     serving = "" if keep_serving is None else ',"keep_serving":' + json.dumps(keep_serving)
+    kind = ',"kind":"sft"' if isinstance(config, SFTConfig) else ""
     return ('{"groups":[' + ",".join(g.model_dump_json() for g in groups) + '],"config":'
-            + cfg + ',"request_id":' + json.dumps(request_id) + serving + "}").encode()
+            + cfg + ',"request_id":' + json.dumps(request_id) + serving + kind
+            + "}").encode()

@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from art_core.base_models import resolve_base_model
-from art_core.config import TrainConfig
+from art_core.base_models import base_model_limits, resolve_base_model
+from art_core.config import SFTConfig, TrainConfig
 from art_core.failpoints import failpoint
 from art_core.model import TrainableModel
 from art_core.storage import ModelDir
@@ -125,14 +125,21 @@ class Trainers:
             self.drop(model)
 
     def train_and_save(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                       config: TrainConfig, step: int, request_id: str | None = None,
-                       kind: str = "rl", threads: int | None = None) -> dict[str, float]:
+                       config: TrainConfig | SFTConfig, step: int,
+                       request_id: str | None = None, threads: int | None = None
+                       ) -> dict[str, float]:
         """Train `step` from the latest checkpoint and commit it (see the module docstring);
-        returns the step's metrics (Trainer.step's, plus save_seconds). `groups` must be
+        returns the step's metrics (Trainer.step's or sft_step's, plus save_seconds). A
+        TrainConfig trains a GRPO step on `groups`, an SFTConfig a supervised step on their
+        trajectories (the step's `kind`, "rl" or "sft", is recorded with it). `groups` must be
         journaled as `step` already: with train_processes > 1 the ranks read them there.
         `threads`: torch's CPU threads for this step (None: unchanged), e.g. the cores the
         engine leaves free while it keeps serving."""
         md = self._dir(model)
+        sft = isinstance(config, SFTConfig)
+        kind = "sft" if sft else "rl"
+        if sft and self.train_processes > 1:
+            raise ValueError("SFT trains in one process: use a backend with train_processes=1")
         if self.train_processes > 1:
             from art_core.train.distributed import run_distributed_step
 
@@ -144,7 +151,15 @@ class Trainers:
         trainer = self.get(model)
         try:
             with torch_threads(threads):
-                metrics = {k: float(v) for k, v in trainer.step(groups, config).items()}
+                if sft:
+                    from art_core.train.sft import sft_step
+
+                    examples = [t for g in groups for t in g.trajectories]
+                    limit = base_model_limits(model.base_model).context
+                    raw = sft_step(trainer, examples, config, limit)
+                else:
+                    raw = trainer.step(groups, config)
+                metrics = {k: float(v) for k, v in raw.items()}
             failpoint("trained", step)
             t0 = time.perf_counter()
             tmp = md.temp_checkpoint(step)

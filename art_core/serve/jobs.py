@@ -1,6 +1,7 @@
 """Training steps of `art serve` (art_core/serve/app.py) as server-side jobs.
 
     POST /art/v1/models/{project}/{name}/train   -> start_training -> a TrainJob, its events relayed
+                                                  ("kind": "sft": a supervised step, SFTConfig)
     GET  /art/v1/jobs/{job_id}                   -> TrainJob.summary
 
 - A step runs as an asyncio task of the server, not inside the request: the request only relays
@@ -35,7 +36,7 @@ from pydantic import ValidationError
 
 from art_core.backend.local import LocalBackend
 from art_core.base_models import base_model_limits
-from art_core.config import TrainConfig
+from art_core.config import SFTConfig, TrainConfig
 from art_core.model import TrainableModel
 from art_core.protocol import REQUEST_ID, error_body
 from art_core.serve.errors import ApiError, validation_message
@@ -122,7 +123,8 @@ class TrainingJobs:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object: "
                            '{"groups": [...], "config": {...}, "request_id": "..."}')
-        unknown = sorted(set(body) - {"groups", "config", "request_id", "keep_serving"})
+        unknown = sorted(set(body) - {"groups", "config", "request_id", "keep_serving",
+                                      "kind"})
         if unknown:
             raise ApiError(400, f"unknown field(s) in the train request: {unknown}")
         request_id = body.get("request_id")
@@ -130,6 +132,8 @@ class TrainingJobs:
                                        or not REQUEST_ID.fullmatch(request_id)):
             raise ApiError(400, "request_id must be 1-64 letters, digits, '-' or '_'",
                            param="request_id")
+        if body.get("kind", "rl") not in ("rl", "sft"):
+            raise ApiError(400, "kind must be 'rl' (a GRPO step) or 'sft'", param="kind")
         if body.get("keep_serving") not in (None, True, False):
             raise ApiError(400, "keep_serving must be true, false or null",
                            param="keep_serving")
@@ -169,7 +173,8 @@ class TrainingJobs:
         if model is None:
             raise ApiError(409, f"model {project}/{name} is not registered with this server "
                            "(since it started): register it first", "model_not_registered")
-        await asyncio.to_thread(self._check_token_ids, groups, model, config)
+        if isinstance(config, TrainConfig):  # SFT examples are rendered and checked in the step
+            await asyncio.to_thread(self._check_token_ids, groups, model, config)
         job = TrainJob(uuid.uuid4().hex, project, name, request_id)
         self._add_job(job, [{"event": "accepted", "job": job.id, "groups": len(groups),
                              "trajectories": sum(len(g) for g in groups)}])
@@ -194,15 +199,18 @@ class TrainingJobs:
                 "replayed": True}
 
     def _parse_groups(self, body: dict[str, Any], train: bool = True
-                      ) -> tuple[list[TrajectoryGroup], TrainConfig]:
+                      ) -> tuple[list[TrajectoryGroup], TrainConfig | SFTConfig]:
         """Validate the request's groups and config; each problem is a 400 naming it. Groups
-        only logged (`train=False`) need no sampled turns."""
+        only logged (`train=False`) and SFT examples need no sampled turns."""
         raw_groups = body.get("groups")
         if not isinstance(raw_groups, list) or not raw_groups:
             raise ApiError(400, "'groups' must be a non-empty list of trajectory groups",
                            param="groups")
+        sft = body.get("kind") == "sft"
+        train = train and not sft
         try:
-            config = TrainConfig.model_validate(body.get("config") or {})
+            config: TrainConfig | SFTConfig = (SFTConfig if sft else TrainConfig).model_validate(
+                body.get("config") or {})
         except ValidationError as e:
             raise ApiError(400, validation_message(e, "config"), param="config") from None
         groups = []
@@ -218,7 +226,7 @@ class TrainingJobs:
             raise ApiError(400, str(e), param="groups") from None
         for i, g in enumerate(groups if train else []):
             for j, t in enumerate(g.trajectories):
-                if not t.trainable and not config.allow_retokenize:
+                if not t.trainable and not getattr(config, "allow_retokenize", False):
                     raise ApiError(400, f"groups[{i}].trajectories[{j}] has no sampled turn (no "
                                    "token ids): nothing to train on. Record turns from the "
                                    "gateway's responses, or set config.allow_retokenize",
@@ -274,7 +282,7 @@ class TrainingJobs:
         return self._vocab[model.base_model]
 
     async def _run_job(self, job: TrainJob, model: TrainableModel,
-                       groups: list[TrajectoryGroup], config: TrainConfig,
+                       groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
                        keep_serving: bool | None = None) -> None:
         lock = self._lock(job.project, job.name)
         try:
@@ -283,9 +291,15 @@ class TrainingJobs:
             async with lock:
                 job.status = "running"
                 # the request id is committed with the step: a retry finds it
-                result = await self.backend.train(model, groups, config, progress=job.progress,
-                                                  request_id=job.request_id,
-                                                  keep_serving=keep_serving)
+                if isinstance(config, SFTConfig):
+                    result = await self.backend.train_sft(model, groups, config,
+                                                          progress=job.progress,
+                                                          request_id=job.request_id)
+                else:
+                    result = await self.backend.train(model, groups, config,
+                                                      progress=job.progress,
+                                                      request_id=job.request_id,
+                                                      keep_serving=keep_serving)
             job.status = "done"
             job.emit({"event": "result", "step": result.step, "metrics": result.metrics})
         except BaseException as e:  # noqa: B036 - the job must always end with an event
