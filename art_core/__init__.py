@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from art_core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
+from art_core.config import EngineConfig, LoraConfig, ModelConfig, SFTConfig, TrainConfig
 from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
 from art_core.pipeline import PipelineResult, PipelineTrainer
@@ -30,11 +30,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "LocalBackend": "art_core.backend.local",
     "RemoteBackend": "art_core.backend.remote",
+    "distill": "art_core.distill",
 }
 
 if TYPE_CHECKING:
     from art_core.backend.local import LocalBackend
     from art_core.backend.remote import RemoteBackend
+    from art_core.distill import distill
 
 
 def __getattr__(name: str) -> Any:
@@ -60,6 +62,7 @@ __all__ = [
     "Recorder",
     "RemoteBackend",
     "RolloutError",
+    "SFTConfig",
     "SampledTurn",
     "TrainConfig",
     "TrainResult",
@@ -68,6 +71,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "current_recorder",
+    "distill",
     "gather_trajectories",
     "gather_trajectory_groups",
     "read_groups_jsonl",

@@ -100,10 +100,11 @@ class Question:
         return WORLD[self.country][self.field]
 
 
-def prompt(q: Question) -> list[Any]:
-    """The system prompt, the worked examples as earlier turns, then the question."""
+def prompt(q: Question, worked_examples: bool = True) -> list[Any]:
+    """The system prompt, the worked examples as earlier turns (unless left out), then the
+    question."""
     msgs: list[Any] = [SystemMessage(SYSTEM)]
-    for i, (country, field, record, answer) in enumerate(EXAMPLES):
+    for i, (country, field, record, answer) in enumerate(EXAMPLES if worked_examples else ()):
         call = {"id": f"example{i}", "name": "lookup_country", "args": {"country": country}}
         msgs += [HumanMessage(f"What is the {field} of {country}?"),
                  AIMessage("", tool_calls=[call]), ToolMessage(record, tool_call_id=call["id"]),
@@ -170,7 +171,7 @@ def score(messages: list[Any], q: Question) -> dict[str, float]:
             "looked_up": float(looked_up), "tool_calls": float(len(calls))}
 
 
-async def episode(graph: Any, q: Question) -> Trajectory:
+async def episode(graph: Any, q: Question, worked_examples: bool = True) -> Trajectory:
     parts: dict[str, float] = {}
 
     def reward(state: dict[str, Any]) -> float:
@@ -178,7 +179,7 @@ async def episode(graph: Any, q: Question) -> Trajectory:
         return parts["reward"]
 
     recorder = TrajectoryRecorder(reward=reward)  # the one line that makes the agent trainable
-    await graph.ainvoke({"messages": prompt(q)},
+    await graph.ainvoke({"messages": prompt(q, worked_examples)},
                         config={"callbacks": [recorder]})
     traj = await recorder.afinish()
     traj.metrics.update(success=bool(parts["success"]), tool_calls=int(parts["tool_calls"]))
