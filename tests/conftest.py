@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,22 @@ def smollm2_path() -> Path:
     from art_core.base_models import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """The embedded model's tokenizer: from the converted model if there, else from its GGUF."""
+    from transformers import AutoTokenizer
+
+    from art_core.base_models import _smollm2_gguf, art_home, tools_chat_template
+
+    converted = art_home() / "models" / "SmolLM2-135M-Instruct"
+    if (converted / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(converted)
+    gguf = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.chat_template = tools_chat_template()
+    return tok
 
 
 @pytest.fixture(scope="session")

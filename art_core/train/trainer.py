@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from art_core.config import LoraConfig, TrainConfig
 from art_core.host import cpu_supports_bf16
+from art_core.sft.render import assistant_mask_tokens
 from art_core.train import batch as B
 from art_core.train import packing as P
 from art_core.train.loss import chunked_token_logprobs, grpo_loss
@@ -285,24 +286,7 @@ class Trainer:
         """Render a history without sampled tokens through the chat template (invariant 1's
         counted, warned fallback): assistant turns are trained where each rendered prefix
         extends the previous one; the sampler's logprobs are unknown (ratio 1)."""
-        msgs, tools = history.messages, history.tools
-        tokens: list[int] = []
-        mask: list[int] = []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            prompt = self._render(msgs[:i], tools, generation_prompt=True)
-            full = self._render(msgs[: i + 1], tools, generation_prompt=False)
-            if full[: len(prompt)] != prompt or prompt[: len(tokens)] != tokens:
-                continue  # the template does not render this turn as an extension: skip it
-            mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
-            tokens = full
+        tokens, mask = assistant_mask_tokens(self.tokenizer, history.messages, history.tools,
+                                             skip_mismatched=True)
         if any(mask):
             yield {"token_ids": tokens, "mask": mask}
-
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True,
-            return_dict=True)
-        return list(out["input_ids"])

@@ -40,22 +40,6 @@ FAMILIES = {  # name: (extra special tokens, TRL template file or None, end-of-t
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer() -> Any:
-    """The embedded model's tokenizer: from the converted model if there, else from its GGUF."""
-    from transformers import AutoTokenizer
-
-    from art_core.base_models import _smollm2_gguf, art_home, tools_chat_template
-
-    converted = art_home() / "models" / "SmolLM2-135M-Instruct"
-    if (converted / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(converted)
-    gguf = _smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok.chat_template = tools_chat_template()
-    return tok
-
-
 def family_dir(smollm2_tokenizer: Any, family: str, root: Path) -> Path:
     """A tokenizer directory for `family`, loadable by AutoTokenizer (as the gateway loads it)."""
     import copy
