@@ -138,7 +138,7 @@ def sft_step(trainer: Trainer, examples: list[Trajectory], config: SFTConfig,
                     weights = shifted["token_weights"] * mask  # [B, T-1], sums to 1 per batch
                     loss = -(logp * weights).sum()
                     loss.backward()
-                    batch_loss += float(loss)
+                    batch_loss += float(loss.detach())
                 for g in opt.param_groups:
                     g["lr"] = learning_rate(config, update, total)
                 norm = torch.nn.utils.clip_grad_norm_(list(trainer.lora_params.values()),

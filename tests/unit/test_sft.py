@@ -93,7 +93,7 @@ async def test_sft_then_rl_continue_one_checkpoint_chain(tiny_models, tmp_path):
         sft_adapter = adapter_tensors(md.checkpoint(1))
         zero = adapter_tensors(md.checkpoint(0))
         assert any(not torch.equal(sft_adapter[k], zero[k]) for k in zero)
-        assert backend.gateway.models[model.name].step == 1  # served, like an RL step
+        assert backend.gateway.models[model.name].latest == 1  # served, like an RL step
 
         backend.trainers.drop(model)  # the RL step must reload step 1 from disk
         r2 = await backend.train(model, groups_for(backend, model, 1), CONFIG)
@@ -135,7 +135,7 @@ async def test_a_jsonl_file_trains_and_over_long_examples_are_counted(tiny_model
     path.write_text("".join(json.dumps(d) + "\n" for d in [*DATA[:3], long]))
     backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
     try:
-        config = SFTConfig(epochs=1, max_length=400, bf16=False)
+        config = SFTConfig(epochs=1, max_length=2000, bf16=False)  # the long one: ~5k tokens
         r = await backend.train_sft(model, str(path), config)
         assert r.metrics["examples"] == 3 and r.metrics["skipped_over_long"] == 1
         with pytest.raises(SFTDataError, match=r"data.jsonl:4: \d+ tokens, longer than"):
