@@ -180,3 +180,18 @@ async def test_distill_fine_tunes_the_student_on_the_teachers_best(tiny_models, 
                           min_reward=2.0)
     finally:
         await backend.close()
+
+
+def test_art_sft_refuses_a_bad_file_with_its_line_before_an_engine_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from art_core.cli import app
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(DATA[0]) + "\n" + json.dumps(
+        {"messages": [{"role": "wizard", "content": "hi"}]}) + "\n")
+    result = CliRunner().invoke(app, ["sft", str(path), "--model", "m", "--path",
+                                      str(tmp_path / "run")])
+    assert result.exit_code == 1
+    assert f"{path}:2" in result.output and "wizard" in result.output
+    assert not (tmp_path / "run").exists()
