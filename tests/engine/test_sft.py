@@ -36,7 +36,8 @@ async def test_an_sft_step_is_served_and_rl_continues_from_it(backend, tiny_mode
                                               schedule="constant", bf16=False))
     assert r.step == 1 and r.metrics["loss"] < r.metrics["loss_first_epoch"]
     after = await top_token(model)
-    assert after[0].strip() == "apple" and after != before, (before, after)
+    # the served model now starts the answer it was taught (the tiny tokenizer splits words)
+    assert after[0] and ANSWER.startswith(after[0]) and after != before, (before, after)
 
     groups = await gather_trajectory_groups([[rollout(model, i) for i in range(3)]],
                                             show_progress=False)
