@@ -44,9 +44,12 @@ if TYPE_CHECKING:
     from art_core.config import TrainConfig
     from art_core.model import Model, TrainableModel, TrainResult
 
-MAX_CONCURRENCY = 16
-"""Scoring requests in flight at once: enough to batch in vLLM, few enough not to queue
-hundreds of long prompts at a shared engine."""
+MAX_CONCURRENCY = 1
+"""Scoring requests in flight at once. One: vLLM 0.32 (CPU) crashes its engine when requests
+with `prompt_logprobs` meet in a batch with LoRA enabled (einsum error in `bgmv_shrink`;
+FIELD-NOTES, and tests/engine/test_distill_on_policy.py hit it with 6 at once through `name@0`),
+and every name on our engine is served through LoRA. Raise it for a teacher served without
+LoRA."""
 
 
 class TeacherError(RuntimeError):
