@@ -60,6 +60,9 @@ class SampledTurn(BaseModel):
         "The prompt was the earlier turn's ids + sampled ids + the new messages (token in)."))
     splice_reason: str | None = Field(default=None, description=(
         "Why a continued conversation was re-rendered instead (e.g. 'unknown_prior_turn')."))
+    teacher_logprobs: list[float] | None = Field(default=None, description=(
+        "A teacher model's logprob of each completion token, given the same prompt and the "
+        "tokens before it (on-policy distillation, art_core/distill/on_policy.py)."))
 
     @model_validator(mode="after")
     def _lengths_match(self) -> SampledTurn:
@@ -72,6 +75,14 @@ class SampledTurn(BaseModel):
             raise ValueError("completion_token_ids is empty: a sampled turn has at least one token")
         if not all(math.isfinite(x) for x in self.logprobs):
             raise ValueError("logprobs contains NaN or an infinite value")
+        if self.teacher_logprobs is not None:
+            if len(self.teacher_logprobs) != len(self.completion_token_ids):
+                raise ValueError(
+                    f"teacher_logprobs has {len(self.teacher_logprobs)} entries but "
+                    f"completion_token_ids has {len(self.completion_token_ids)}: they must be "
+                    "the same length")
+            if not all(math.isfinite(x) for x in self.teacher_logprobs):
+                raise ValueError("teacher_logprobs contains NaN or an infinite value")
         return self
 
 

@@ -5,6 +5,9 @@ The stages, one function each, in the order the trainer calls them:
 1. `compute_advantages`: advantage = reward - group mean (divided by the group's std when
    `scale_rewards`). Groups whose rewards are all equal carry no signal and are dropped and counted
    (ARCHITECTURE invariant 7), as are groups with fewer than two trajectories.
+   Or, for on-policy distillation (`TrainConfig.advantage="teacher"`), `teacher_advantages`:
+   every trajectory trains, and each sampled token's advantage is its teacher logprob minus its
+   sampler logprob (set per token by stage 2).
 2. `build_all_sequences` / `build_sequences`: each trajectory's sampled turns become training
    sequences made of the exact token ids the engine saw and produced (invariant 1). A turn whose
    prompt starts with everything before it extends the current sequence, so a multi-turn agent
@@ -23,6 +26,7 @@ Tensor convention (every [B, T] tensor from `collate` is aligned to TOKEN POSITI
     old_logprobs[b, t]  the engine's sampling logprob of token t where loss_mask is True, else 0;
                         NaN where a tool-call grammar chose token t (the trainer's own is used)
     token_weights[b, t] the weight of token t in the loss (0 where loss_mask is False)
+    advantages[b, t]    only when some sequence has per-token advantages (else advantages[b])
 
 A causal LM predicts token t from the logits at position t - 1, so the trainer computes the logprob
 of targets input_ids[:, 1:] from hidden states [:, :-1] and compares them with the [:, 1:] slices of
@@ -120,6 +124,54 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
+def teacher_advantages(
+    groups: Iterable[Iterable[Trajectory]],
+) -> tuple[list[tuple[Trajectory, float]], dict[str, float]]:
+    """On-policy distillation: every trajectory is kept (no group comparison, so no group is
+    dropped), with a placeholder advantage of 0.0; the real, per-token advantage
+    teacher_logprob - sampler_logprob is set by `build_all_sequences(..., teacher=True)`.
+
+    Raises ValueError for a trajectory with a sampled turn that has no `teacher_logprobs`, or
+    with no sampled turn at all (nothing the teacher could have scored).
+    Statistics: as `compute_advantages` (nothing dropped), plus `teacher_kl`, the mean over
+    distilled tokens of sampler_logprob - teacher_logprob (a per-token estimate of the reverse
+    KL(student || teacher) on the student's own samples), and `teacher_tokens`, their count.
+    Tokens a tool-call grammar chose are not distilled (`_teacher_gaps`).
+    """
+    scored: list[tuple[Trajectory, float]] = []
+    rewards: list[float] = []
+    gaps: list[float] = []
+    n_groups = 0
+    for gi, group in enumerate(groups):
+        n_groups += 1
+        for ti, trajectory in enumerate(group):
+            turns = [t for h in trajectory.histories() for t in h.turns]
+            if not turns or any(t.teacher_logprobs is None for t in turns):
+                raise ValueError(
+                    f"groups[{gi}].trajectories[{ti}] ({_describe(trajectory)}) has "
+                    f"{'no sampled turn' if not turns else 'a sampled turn without teacher_logprobs'}"
+                    ": advantage='teacher' trains on the teacher's logprobs of the sampled tokens;"
+                    " score the groups with art_core.distill.score_with_teacher first")
+            for turn in turns:
+                gaps += _teacher_gaps(turn)
+            rewards.append(trajectory.reward)
+            scored.append((trajectory, 0.0))
+    reward_mean, reward_std = _mean_std(rewards) if rewards else (0.0, 0.0)
+    stats: dict[str, float] = {
+        "groups": n_groups,
+        "groups_zero_variance": 0,
+        "frac_groups_zero_variance": 0.0,
+        "groups_too_small": 0,
+        "trajectories": len(rewards),
+        "trajectories_kept": len(scored),
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "teacher_kl": -math.fsum(gaps) / len(gaps) if gaps else 0.0,
+        "teacher_tokens": len(gaps),
+    }
+    return scored, stats
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Sequences
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +185,9 @@ class Sequence:
     prompt, tool-result and re-rendered context tokens are 0. `old_logprobs[t]` is the engine's
     sampling logprob where `mask[t] == 1` and 0 elsewhere. `has_old_logprobs` is False only for
     re-tokenized sequences without engine logprobs: the trainer then uses its own detached
-    logprobs (ratio 1). `token_weight` is set by `with_token_weights`.
+    logprobs (ratio 1). `token_weight` is set by `with_token_weights`. `token_advantages`, when
+    set, replaces `advantage` with one advantage per token (on-policy distillation: teacher -
+    sampler logprob on completion tokens, 0 elsewhere).
     """
 
     token_ids: list[int]
@@ -144,6 +198,7 @@ class Sequence:
     has_old_logprobs: bool = True
     retokenized: bool = False
     token_weight: float = 0.0
+    token_advantages: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -152,6 +207,10 @@ class Sequence:
                 f"sequence of trajectory {self.traj_index}: token_ids ({n}), mask "
                 f"({len(self.mask)}) and old_logprobs ({len(self.old_logprobs)}) differ in length"
             )
+        if self.token_advantages is not None and len(self.token_advantages) != n:
+            raise ValueError(
+                f"sequence of trajectory {self.traj_index}: token_ids ({n}) and "
+                f"token_advantages ({len(self.token_advantages)}) differ in length")
         if not any(self.mask):
             raise ValueError(f"sequence of trajectory {self.traj_index} has no trained token")
         if self.mask[0]:
@@ -194,9 +253,10 @@ def build_sequences(
 
 
 def _build(trajectory: Trajectory, advantage: float, traj_index: int,
-           retokenize: Retokenize | None) -> tuple[list[Sequence], list[_HistoryBuild]]:
+           retokenize: Retokenize | None,
+           teacher: bool = False) -> tuple[list[Sequence], list[_HistoryBuild]]:
     if trajectory.trainable:
-        builds = [_history_sequences(history, advantage, traj_index)
+        builds = [_history_sequences(history, advantage, traj_index, teacher)
                   for history in trajectory.histories()]
         builds = [b for b in builds if b.sequences]
         return [s for b in builds for s in b.sequences], builds
@@ -225,8 +285,13 @@ def build_all_sequences(
     scored: Iterable[tuple[Trajectory, float]],
     *,
     retokenize: Retokenize | None = None,
+    teacher: bool = False,
 ) -> tuple[list[Sequence], dict[str, float]]:
     """`build_sequences` over every (trajectory, advantage); traj_index is the position in `scored`.
+
+    `teacher=True` (on-policy distillation, see `teacher_advantages`): every sequence gets
+    `token_advantages`, teacher_logprob - sampler_logprob at each sampled token (0 elsewhere),
+    and the trajectory's advantage is unused; every sampled turn must carry `teacher_logprobs`.
 
     Metrics: `trajectories_trained`, `sequences`, `trained_tokens`, `tokens`,
     `retokenized_trajectories` and `frac_retokenized` (invariant 1: the fallback is never silent;
@@ -243,7 +308,7 @@ def build_all_sequences(
     n_trajectories = n_retokenized = 0
     for traj_index, (trajectory, advantage) in enumerate(scored):
         n_trajectories += 1
-        built, histories = _build(trajectory, advantage, traj_index, retokenize)
+        built, histories = _build(trajectory, advantage, traj_index, retokenize, teacher)
         n_retokenized += any(s.retokenized for s in built)
         sequences.extend(built)
         builds.extend(histories)
@@ -286,17 +351,21 @@ class _HistoryBuild:
     truncated_turns: int
 
 
-def _history_sequences(history: History, advantage: float, traj_index: int) -> _HistoryBuild:
-    """The prefix-extension rule of `build_sequences` for one history."""
+def _history_sequences(history: History, advantage: float, traj_index: int,
+                       teacher: bool = False) -> _HistoryBuild:
+    """The prefix-extension rule of `build_sequences` for one history; with `teacher`, the
+    per-token advantages of on-policy distillation alongside."""
     out = _HistoryBuild([], [], 0, 0, 0)
     tokens: list[int] = []
     mask: list[int] = []
     old: list[float] = []
+    adv: list[float] = []  # per token, only kept with `teacher`
 
     def close() -> None:
         if tokens:
             out.sequences.append(Sequence(list(tokens), list(mask), list(old), advantage,
-                                          traj_index))
+                                          traj_index,
+                                          token_advantages=list(adv) if teacher else None))
 
     previous: SampledTurn | None = None
     for turn in sorted(history.turns, key=lambda t: t.message_index):
@@ -313,14 +382,21 @@ def _history_sequences(history: History, advantage: float, traj_index: int) -> _
             if tokens:  # a split: the new prompt re-states the conversation so far
                 out.splits.append(split_reason(turn))
                 out.redundant_tokens += min(len(tokens), len(prompt))
-            tokens, mask, old = [], [], []
+            tokens, mask, old, adv = [], [], [], []
             context = prompt
         tokens += context
         mask += [0] * len(context)
         old += [0.0] * len(context)
+        adv += [0.0] * len(context)
         tokens += turn.completion_token_ids
         mask += [1] * len(turn.completion_token_ids)
         old += _sampler_logprobs(turn)
+        if teacher:
+            if turn.teacher_logprobs is None:
+                raise ValueError(
+                    f"trajectory {traj_index}: the sampled turn of message {turn.message_index} "
+                    "has no teacher_logprobs (score it with art_core.distill.score_with_teacher)")
+            adv += _teacher_token_advantages(turn)
         out.truncated_turns += turn.finish_reason == "length"
         if turn.constrained_from is not None:
             out.constrained_tokens += max(0, len(turn.logprobs) - turn.constrained_from)
@@ -337,6 +413,22 @@ def _sampler_logprobs(turn: SampledTurn) -> list[float]:
     if k is None:
         return list(turn.logprobs)
     return list(turn.logprobs[:k]) + [math.nan] * (len(turn.logprobs) - k)
+
+
+def _teacher_gaps(turn: SampledTurn) -> list[float]:
+    """teacher_logprob - sampler_logprob of the turn's distilled tokens: all of them up to
+    `constrained_from`. A grammar-chosen token's sampler logprob is of the masked distribution
+    (`_sampler_logprobs`), so the gap would measure the mask, not the student: not distilled."""
+    assert turn.teacher_logprobs is not None
+    k = len(turn.logprobs) if turn.constrained_from is None else turn.constrained_from
+    return [t - s for t, s in zip(turn.teacher_logprobs[:k], turn.logprobs[:k], strict=True)]
+
+
+def _teacher_token_advantages(turn: SampledTurn) -> list[float]:
+    """The per-token advantage of each completion token of the turn: its gap, 0 where it is
+    not distilled (the token still trains at ratio 1, with no push either way)."""
+    gaps = _teacher_gaps(turn)
+    return gaps + [0.0] * (len(turn.logprobs) - len(gaps))
 
 
 def _coerce(item: Any, advantage: float, traj_index: int) -> Sequence:
@@ -458,7 +550,8 @@ def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
     old_logprobs:     [B, T] float32, sampling logprob of token t where loss_mask, else 0
                       (NaN: grammar-chosen, the trainer uses its own)
     token_weights:    [B, T] float32, Sequence.token_weight where loss_mask, else 0
-    advantages:       [B]    float32
+    advantages:       [B]    float32, or [B, T] when any sequence has token_advantages (the
+                      others' advantage at each of their tokens, 0 on padding)
     traj_index:       [B]    long
     has_old_logprobs: [B]    bool, False where old_logprobs must come from the trainer itself
     """
@@ -476,13 +569,19 @@ def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
         loss_mask[i, :n] = torch.tensor(s.mask, dtype=torch.bool)
         old_logprobs[i, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
     weights = torch.tensor([s.token_weight for s in sequences], dtype=torch.float32)
+    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)  # [B]
+    if any(s.token_advantages is not None for s in sequences):
+        advantages = torch.zeros((b, t), dtype=torch.float32)  # [B, T]
+        for i, s in enumerate(sequences):
+            per_token = s.token_advantages or [s.advantage] * len(s)
+            advantages[i, : len(s)] = torch.tensor(per_token, dtype=torch.float32)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "old_logprobs": old_logprobs,
         "token_weights": loss_mask * weights[:, None],
-        "advantages": torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+        "advantages": advantages,
         "traj_index": torch.tensor([s.traj_index for s in sequences], dtype=torch.long),
         "has_old_logprobs": torch.tensor([s.has_old_logprobs for s in sequences]),
     }
@@ -491,13 +590,14 @@ def collate(sequences: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
 def shift_for_next_token(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The [B, T-1] slices that line up with logits at positions 0..T-2 (hidden_states[:, :-1]).
 
-    target_ids[b, j] = input_ids[b, j + 1] is predicted from position j; loss_mask, old_logprobs
-    and token_weights are shifted the same way; per-sequence tensors pass through unchanged.
+    target_ids[b, j] = input_ids[b, j + 1] is predicted from position j; loss_mask, old_logprobs,
+    token_weights and per-token advantages are shifted the same way; per-sequence tensors pass
+    through unchanged.
     The forward pass itself still takes the full, unshifted input_ids and attention_mask.
     """
     out = {k: v for k, v in batch.items() if v.dim() == 1}
     out["target_ids"] = batch["input_ids"][:, 1:]
     for key in ("loss_mask", "old_logprobs", "token_weights", "advantages"):
-        if key in batch and batch[key].dim() == 2:  # per-token advantages: packed rows
+        if key in batch and batch[key].dim() == 2:  # per-token advantages: packed, distilled
             out[key] = batch[key][:, 1:]
     return out

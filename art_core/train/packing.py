@@ -30,7 +30,8 @@ Tensors of `collate` (B rows, T positions), as `batch.collate` plus:
     position_ids    [B, T]       long, restarting at |P| for each S_i
     attention_mask  [B, 1, T, T] the 4-D mask above, True = may attend (bool for sdpa; for eager
                                  attention 0 / dtype-min additive, see `mask_for`)
-    advantages      [B, T]       per token: the rows mix trajectories
+    advantages      [B, T]       per token: the rows mix trajectories (and a distilled
+                                 sequence's `token_advantages` vary along it)
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def collate(rows: Seq[Row], pad_id: int) -> dict[str, torch.Tensor]:
             loss_mask[i, seg] = torch.tensor(s.mask[p:], dtype=torch.bool)
             old_logprobs[i, seg] = torch.tensor(s.old_logprobs[p:], dtype=torch.float32)
             token_weights[i, seg] = loss_mask[i, seg] * s.token_weight
-            advantages[i, seg] = s.advantage
+            advantages[i, seg] = (s.advantage if s.token_advantages is None
+                                  else torch.tensor(s.token_advantages[p:], dtype=torch.float32))
             allowed[i, 0, seg, seg] = causal[:n, :n]
             allowed[i, 0, seg, :p] = True
             start += n

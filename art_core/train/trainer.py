@@ -3,7 +3,9 @@
 The algorithm of `Trainer.step(groups, config)`:
 
 1. advantages: A = (reward - group mean) / group std; zero-variance groups are dropped and
-   counted (batch.compute_advantages).
+   counted (batch.compute_advantages). Or, with `advantage="teacher"` (on-policy distillation),
+   per token A_t = teacher logprob - sampler logprob of each sampled token, every trajectory
+   kept (batch.teacher_advantages): the same loss then pulls the student towards the teacher.
 2. sequences: the exact token ids the engine sampled, masked to the sampled completion tokens,
    with the sampler's logprobs as the old policy (batch.build_all_sequences); weights so every
    trajectory counts the same (batch.with_token_weights); sequences that share a prompt packed
@@ -151,9 +153,14 @@ class Trainer:
         """One GRPO step on `groups`; returns its metrics. See the module docstring."""
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
-        scored, stats = B.compute_advantages(groups, config.scale_rewards)
+        teacher = config.advantage == "teacher"
+        if teacher:
+            scored, stats = B.teacher_advantages(groups)
+        else:
+            scored, stats = B.compute_advantages(groups, config.scale_rewards)
         retokenize = self._retokenize if config.allow_retokenize else None
-        sequences, seq_metrics = B.build_all_sequences(scored, retokenize=retokenize)
+        sequences, seq_metrics = B.build_all_sequences(scored, retokenize=retokenize,
+                                                       teacher=teacher)
         metrics: dict[str, float] = {**stats, **seq_metrics}
         opt = self._ensure_optimizer(config)
         opt.zero_grad(set_to_none=True)

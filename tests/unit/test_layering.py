@@ -27,7 +27,8 @@ PACKAGES = ("art_core", "art_langgraph", "art_mcp", "ruler")
 LIGHT = ("art_core", "art_core.trajectory", "art_core.model", "art_core.config",
          "art_core.gather", "art_core.recording", "art_core.storage", "art_core.protocol",
          "art_core.host", "art_core.cli", "art_core.backend.remote",
-         "art_core.pipeline", "art_core.sft", "art_core.sft.render")
+         "art_core.pipeline", "art_core.sft", "art_core.sft.render",
+         "art_core.distill")
 HEAVY = ("art_core.inference", "art_core.serve", "art_core.train", "art_core.observe")
 INTEGRATIONS = ("art_langgraph", "art_mcp", "ruler")
 
