@@ -73,10 +73,9 @@ async def main(args: argparse.Namespace) -> int:
             await m.register(backend)
         times["engine start"] = time.perf_counter() - t0
 
-        def graph_of(model: Any, name: str | None = None) -> Any:
-            kwargs = {"model": name} if name else {}
+        def graph_of(model: Any) -> Any:
             return demo.build_agent(init_chat_model(model, max_tokens=demo.MAX_TOKENS,
-                                                    temperature=demo.TEMPERATURE, **kwargs))
+                                                    temperature=demo.TEMPERATURE))
 
         async def held_out_success(label: str, model: Any, examples: bool = False) -> None:
             graph = graph_of(model)
@@ -108,7 +107,7 @@ async def main(args: argparse.Namespace) -> int:
         await held_out_success("base (teacher prompt)", base, examples=True)
 
         async def teacher_rollout(teacher: Any, q: Any) -> Any:
-            graph = graph_of(base, teacher.name)
+            graph = graph_of(teacher)  # a Model: the name on the student's gateway
             return student_format(await demo.episode(graph, q, True))
 
         t = time.perf_counter()
