@@ -114,7 +114,8 @@ async def main(args: argparse.Namespace) -> int:
         sft = models["sft"]
         result = await distill(sft, f"{base.name}@0", teacher_rollout, train_q,
                                rollouts_per_group=args.teacher_rollouts, min_reward=1.0,
-                               config=SFTConfig(epochs=args.sft_epochs))
+                               config=SFTConfig(epochs=args.sft_epochs,
+                                                learning_rate=args.sft_learning_rate))
         times["distill (teacher rollouts + SFT)"] = time.perf_counter() - t
         m = result.metrics
         print(f"SFT on {int(m['distilled_trajectories'])} teacher trajectories (teacher reward "
@@ -165,6 +166,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--teacher-rollouts", type=int, default=2,
                    help="teacher episodes per training question (the best is kept)")
     p.add_argument("--sft-epochs", type=int, default=3)
+    p.add_argument("--sft-learning-rate", type=float, default=2e-4,
+                   help="SFTConfig's default; the 135M model takes 1e-3, as its RL does")
     p.add_argument("--eval-samples", type=int, default=2)
     p.add_argument("--learning-rate", type=float, default=1e-3, help="RL (the demo's)")
     p.add_argument("--skip-on-policy", action="store_true")
