@@ -151,7 +151,12 @@ async def main(args: argparse.Namespace) -> int:
     print(f"held-out success, student prompt unless said ({len(held_out)} questions x "
           f"{args.eval_samples}); K = {args.steps} steps of {args.groups_per_step} x "
           f"{args.rollouts_per_group}")
-    print(demo.table(rows).replace("\n", "\n", 1))
+    print(f"{'':24} {'success':>14} {'95% interval':>14} {'reward':>7}")
+    for label, stats in rows:
+        rate = stats.rate("success")
+        lo, hi = rate.ci
+        print(f"{label:24} {rate.k:>5}/{rate.n:<3} {100 * rate.value:5.1f}% "
+              f"{f'[{100 * lo:.0f}%, {100 * hi:.0f}%]':>14} {stats.reward:7.2f}")
     print()
     for k, v in times.items():
         print(f"  {k:40} {v:7.1f} s")
