@@ -10,6 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from art_core.config import EngineConfig, LoraConfig, ModelConfig, SFTConfig, TrainConfig
+
+# after the subpackage is imported, so `art_core.distill` is the function, not the package
+from art_core.distill import distill
 from art_core.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
 from art_core.pipeline import PipelineResult, PipelineTrainer
@@ -30,13 +33,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "LocalBackend": "art_core.backend.local",
     "RemoteBackend": "art_core.backend.remote",
-    "distill": "art_core.distill",
 }
 
 if TYPE_CHECKING:
     from art_core.backend.local import LocalBackend
     from art_core.backend.remote import RemoteBackend
-    from art_core.distill import distill
 
 
 def __getattr__(name: str) -> Any:

@@ -150,6 +150,13 @@ def _traj(reward: float, answer: str) -> Trajectory:
                                 {"role": "assistant", "content": answer}], reward=reward)
 
 
+def test_art_distill_is_the_function_even_after_its_package_is_imported():
+    import art_core
+    import art_core.distill.on_policy  # noqa: F401 - importing a submodule must not shadow it
+
+    assert art_core.distill is distill and callable(art_core.distill)
+
+
 def test_best_of_groups_keeps_each_groups_best_above_the_floor():
     groups = [TrajectoryGroup(trajectories=[_traj(0.2, "a"), _traj(0.9, "b"), _traj(0.5, "c")]),
               TrajectoryGroup(trajectories=[_traj(0.1, "d"), _traj(0.0, "e")])]
