@@ -308,6 +308,26 @@ async def test_a_pipeline_trains_through_the_server(served, remote, model, tmp_p
 
 
 @pytest.mark.engine
+async def test_sft_trains_through_the_server_and_a_retried_id_is_not_trained_twice(
+        served, remote, model):
+    """RemoteBackend.train_sft: a supervised step on the server, kind "sft" in its history;
+    the same request id again gets that step back."""
+    from art_core import SFTConfig
+
+    data = [{"messages": [{"role": "user", "content": "Say hi."},
+                          {"role": "assistant", "content": "hi there"}]}] * 2
+    before = await remote.get_step(model)
+    config = SFTConfig(epochs=1, bf16=False)
+    r = await remote.train_sft(model, data, config, request_id="sft-once")
+    assert r.step == before + 1 and r.metrics["examples"] == 2
+    again = await remote.train_sft(model, data, config, request_id="sft-once")
+    assert again.step == r.step and await remote.get_step(model) == r.step
+    rows = [json.loads(x) for x in (served.root / model.project / "models" / model.name /
+                                    "history.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == r.step and rows[-1]["kind"] == "sft"
+
+
+@pytest.mark.engine
 async def test_delete_checkpoints_unserves_deleted_steps(served, remote, model):
     latest = await remote.get_step(model)
     deleted = await remote.delete_checkpoints(model)
@@ -351,22 +371,3 @@ async def test_sigterm_during_a_step_finishes_it_and_stops_vllm(served, model):
     log = served.log.read_text()
     assert "Traceback" not in log, served.log_tail()
 
-
-@pytest.mark.engine
-async def test_sft_trains_through_the_server_and_a_retried_id_is_not_trained_twice(
-        served, remote, model):
-    """RemoteBackend.train_sft: a supervised step on the server, kind "sft" in its history;
-    the same request id again gets that step back."""
-    from art_core import SFTConfig
-
-    data = [{"messages": [{"role": "user", "content": "Say hi."},
-                          {"role": "assistant", "content": "hi there"}]}] * 2
-    before = await remote.get_step(model)
-    config = SFTConfig(epochs=1, bf16=False)
-    r = await remote.train_sft(model, data, config, request_id="sft-once")
-    assert r.step == before + 1 and r.metrics["examples"] == 2
-    again = await remote.train_sft(model, data, config, request_id="sft-once")
-    assert again.step == r.step and await remote.get_step(model) == r.step
-    rows = [json.loads(x) for x in (served.root / model.project / "models" / model.name /
-                                    "history.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == r.step and rows[-1]["kind"] == "sft"
