@@ -4,9 +4,14 @@
    summarised as `EvalStats` (rates with 95% Wilson intervals, means of trajectory metrics).
    `train_loop` caches each step's stats in `<run_dir>/eval.jsonl` and its groups in
    `<run_dir>/eval-<step>.jsonl`, so a resumed run does not pay for an evaluation twice.
-2. Each step: `groups_per_step` train scenarios (drawn by an RNG seeded with the step, so a
-   resumed run draws what an uninterrupted one would have) x `rollouts_per_group` rollouts, scored as each group completes (`after_each`, e.g.
-   RULER), then one GRPO step (`model.train`).
+2. Each step: `groups_per_step` groups *with signal* (dynamic sampling, art_core/sampling.py:
+   groups whose rewards are all equal are set aside and more scenarios drawn, up to
+   `oversample` x groups_per_step groups) of `rollouts_per_group` rollouts each, scored as each
+   group completes (`after_each`, e.g. RULER), then one GRPO step (`model.train`). Scenarios
+   come from a stream of shuffled passes over `train` seeded by the step, so a resumed run
+   draws what an uninterrupted one would have. What sampling cost is in the step's metrics
+   (`sampling_*`) and in `<run_dir>/sampling.jsonl`. `oversample=None` turns it off: the first
+   groups_per_step scenarios are trained whatever their rewards.
 3. `evaluate` again (and after every `eval_every` steps, for a curve).
 
 A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
@@ -14,8 +19,8 @@ A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds mod
 
 from __future__ import annotations
 
+import itertools
 import json
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +29,7 @@ from typing import Any
 from art_core.gather import gather_trajectory_groups
 from art_core.model import TrainableModel, TrainResult
 from art_core.observe.base import wilson
+from art_core.sampling import DEFAULT_BUDGET, gather_signal_groups, shuffled_passes
 from art_core.storage import append_jsonl, read_jsonl
 from art_core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
 
@@ -134,7 +140,17 @@ def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
     """The default line printed after each step."""
     m = result.metrics
     return (f"step {result.step}: train reward {_num(m.get('reward_mean'), '.3f')}  "
-            f"loss {_num(m.get('loss'), '+.4f')}  {float(m.get('seconds', 0.0)):.1f} s train")
+            f"loss {_num(m.get('loss'), '+.4f')}  {float(m.get('seconds', 0.0)):.1f} s train"
+            f"{sampling_text(m)}")
+
+
+def sampling_text(metrics: dict[str, float]) -> str:
+    """'  signal 6/6 of 11 drawn' from a step's `sampling_*` metrics ('' without them)."""
+    if "sampling_groups_drawn" not in metrics:
+        return ""
+    found = min(metrics["sampling_groups_with_signal"], metrics["sampling_groups_asked"])
+    return (f"  signal {found:.0f}/{metrics['sampling_groups_asked']:.0f} of "
+            f"{metrics['sampling_groups_drawn']:.0f} drawn")
 
 
 async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[Any],
@@ -143,10 +159,16 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                      train_config: Any = None, seed: int = 0,
                      max_concurrency: int | None = None, eval_every: int | None = None,
                      max_exceptions: int | float = 0.5,
+                     oversample: float | None = DEFAULT_BUDGET,
                      on_step: Callable[[TrainResult, list[TrajectoryGroup]], str] = step_line,
                      print_fn: Callable[[str], None] = print) -> LoopResult:
     """Evaluate, train `steps` GRPO steps, evaluate again (see the module docstring).
-    `on_step` formats the line printed after each step."""
+    `oversample`: groups drawn per group asked for, at most, while groups without signal are
+    replaced (None: off). `on_step` formats the line printed after each step."""
+    if oversample is not None and (isinstance(oversample, bool)
+                                   or not isinstance(oversample, int | float) or oversample < 1):
+        raise ValueError(f"oversample must be None or a number >= 1, got {oversample!r}")
+    train = list(train)
     run_dir.mkdir(parents=True, exist_ok=True)
     evals: dict[int, EvalStats] = {}
     for r in read_jsonl(run_dir / "eval.jsonl"):
@@ -170,17 +192,33 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
     history = []
     for i in range(steps):
         # seeded by the step, so a resumed run draws what an uninterrupted one would have
-        rng = random.Random(f"{seed}-{start + i}")
-        picked = rng.sample(list(train), min(groups_per_step, len(train)))
-        groups = await gather_trajectory_groups(
-            ([rollout(s) for _ in range(rollouts_per_group)] for s in picked),
-            max_exceptions=max_exceptions, after_each=after_each,
-            max_concurrency=max_concurrency, description=f"step {start + i + 1} rollouts")
+        stream = shuffled_passes(train, f"{seed}-{start + i}")
+        description = f"step {start + i + 1} rollouts"
+        sampling: dict[str, float] = {}
+        if oversample is None:
+            groups = await gather_trajectory_groups(
+                ([rollout(s) for _ in range(rollouts_per_group)]
+                 for s in itertools.islice(stream, min(groups_per_step, len(train)))),
+                max_exceptions=max_exceptions, after_each=after_each,
+                max_concurrency=max_concurrency, description=description)
+        else:
+            found = await gather_signal_groups(
+                lambda s: [rollout(s) for _ in range(rollouts_per_group)], stream,
+                groups_per_step, max_groups=max(groups_per_step,
+                                                round(oversample * groups_per_step)),
+                max_exceptions=max_exceptions, after_each=after_each,
+                max_concurrency=max_concurrency, description=description)
+            # nothing with signal even within the budget: the step still advances (invariant 7)
+            groups = found.groups or found.skipped[:groups_per_step]
+            sampling = found.metrics()
         result = await model.train(groups, train_config)
         m = result.metrics
+        if sampling:
+            m.update(sampling)
+            append_jsonl(run_dir / "sampling.jsonl", {"step": result.step, **sampling})
         history.append({"step": result.step, "train_reward": m.get("reward_mean"),
                         "loss": m.get("loss"), "groups": len(groups),
-                        "seconds": round(float(m.get("seconds", 0.0)), 1)})
+                        "seconds": round(float(m.get("seconds", 0.0)), 1), **sampling})
         print_fn(on_step(result, groups))
         if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
             await held_out_at(result.step)

@@ -24,6 +24,16 @@ from art_core.protocol import read_response
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Scalar = str | int | float | bool | None
 
+ZERO_VARIANCE_TOL = 1e-8
+"""A group whose rewards span no more than this is 'all equal' and carries no signal."""
+
+
+def has_signal(rewards: list[float]) -> bool:
+    """Whether GRPO can learn from a group with these rewards: at least two of them, not all
+    equal (ARCHITECTURE invariants 7 and 10). The trainer drops the others; dynamic sampling
+    draws more scenarios in their place."""
+    return len(rewards) >= 2 and max(rewards) - min(rewards) > ZERO_VARIANCE_TOL
+
 
 def _check_finite_metadata(v: dict[str, Scalar]) -> dict[str, Scalar]:
     # JSON has no NaN/inf: pydantic would write them as null, so the round trip would lose them
@@ -258,6 +268,11 @@ class TrajectoryGroup(BaseModel):
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+    @property
+    def has_signal(self) -> bool:
+        """At least two trajectories whose rewards are not all equal (`has_signal`)."""
+        return has_signal(self.rewards)
 
 
 def write_groups_jsonl(groups: Iterable[TrajectoryGroup], path: str | Path) -> Path:

@@ -42,8 +42,9 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from art_core.loop import EvalStats, load_eval_groups, train_loop
+from art_core.loop import EvalStats, load_eval_groups, sampling_text, train_loop
 from art_core.model import TrainResult
+from art_core.sampling import DEFAULT_BUDGET
 from art_core.storage import read_jsonl
 from art_langgraph.chat_model import init_chat_model
 from art_langgraph.recorder import TrajectoryRecorder
@@ -222,7 +223,8 @@ def show_episode(label: str, example: dict[str, Any]) -> str:
 
 async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
-              fresh: bool = False, seed: int = 0) -> dict[str, EvalStats]:
+              fresh: bool = False, seed: int = 0,
+              oversample: float = DEFAULT_BUDGET) -> dict[str, EvalStats]:
     """Evaluate, train `steps` more steps, evaluate again (`art_core.loop.train_loop`);
     returns the two evaluations."""
     async with LocalBackend(path) as backend:
@@ -244,14 +246,17 @@ async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
 
         def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
             m, won = result.metrics, [t.metrics["success"] for g in groups for t in g]
-            return (f"step {result.step:>3}  train reward {m['reward_mean']:.2f}  success "
-                    f"{sum(won)}/{len(won)}  loss {m['loss']:+.4f}  {m['seconds']:.1f} s train")
+            # the reward of everything sampled: the trained groups alone lean towards 0.5
+            reward = m.get("sampling_reward_mean", m["reward_mean"])
+            return (f"step {result.step:>3}  sampled reward {reward:.2f}  trained success "
+                    f"{sum(won)}/{len(won)}  loss {m['loss']:+.4f}  {m['seconds']:.1f} s train"
+                    f"{sampling_text(m)}")
 
         loop = await train_loop(
             model, lambda q: episode(graph, q), questions(TRAIN_COUNTRIES), held_out, model_dir,
             steps=steps, groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
             eval_rollouts=eval_samples, train_config=TrainConfig(learning_rate=learning_rate),
-            seed=seed, on_step=step_line)
+            seed=seed, oversample=oversample, on_step=step_line)
         first, last = min(loop.evals), loop.after.step
         print()
         print(table([(f"step {first}", loop.evals[first]), (f"step {last}", loop.after)]))
@@ -274,11 +279,15 @@ async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
 def _plot(model_dir: Path, evals: dict[int, EvalStats]) -> None:
     from art_core.observe.plot import PlotError, plot_curves
 
-    history = [r for r in read_jsonl(model_dir / "history.jsonl") if "reward_mean" in r]
+    history = {int(r["step"]): float(r["reward_mean"])
+               for r in read_jsonl(model_dir / "history.jsonl") if "reward_mean" in r}
+    # with dynamic sampling the trained groups lean towards 0.5: plot what was sampled
+    history |= {int(r["step"]): float(r["sampling_reward_mean"])
+                for r in read_jsonl(model_dir / "sampling.jsonl") if "sampling_reward_mean" in r}
     curves = {
         "held-out success rate": {"agent": sorted(
             (s, r.rate("success").value) for s, r in evals.items())},
-        "train reward": {"agent": [(int(r["step"]), float(r["reward_mean"])) for r in history]},
+        "train reward (sampled)": {"agent": sorted(history.items())},
     }
     bands = {"held-out success rate": {"agent": sorted(
         (s, *r.rate("success").ci) for s, r in evals.items())}}
@@ -316,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="high for a 135M model (default: %(default)s)")
     p.add_argument("--eval-samples", type=int, default=2,
                    help="episodes per held-out question (default: %(default)s)")
+    p.add_argument("--oversample", type=float, default=DEFAULT_BUDGET,
+                   help="dynamic sampling: questions drawn per step, at most, as a multiple of "
+                        "--groups-per-step, while groups whose episodes all score alike are "
+                        "replaced; 1 trains what the first draw gives (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the demo's model")
     args = p.parse_args(argv if argv is not None else [])
     _quiet()
@@ -323,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                         ("eval_samples", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.oversample < 1:
+        p.error("--oversample must be at least 1")
     if not 0 < args.learning_rate < 1:
         p.error("--learning-rate must be between 0 and 1")
     asyncio.run(run(args.path, args.steps, args.groups_per_step, args.rollouts_per_group,
-                    args.learning_rate, args.eval_samples, args.fresh))
+                    args.learning_rate, args.eval_samples, args.fresh,
+                    oversample=args.oversample))
     return 0

@@ -27,11 +27,10 @@ from urllib.parse import unquote, urlsplit
 
 from art_core.model import validate_name
 from art_core.storage import ModelDir, read_jsonl
-from art_core.trajectory import TrajectoryGroup, continues, split_reason
+from art_core.trajectory import TrajectoryGroup, continues, has_signal, split_reason
 
 log = logging.getLogger(__name__)
 
-ZERO_VARIANCE_TOL = 1e-6  # the trainer's rule (train/batch.py): such a group is not trained
 _STEP = re.compile(r"\d{1,9}")
 
 
@@ -170,7 +169,7 @@ class RunView:
             rows.append({
                 "index": i, "rewards": rewards, "trajectories": len(g.trajectories),
                 "exceptions": [{"type": e.type, "message": e.message} for e in g.exceptions],
-                "metadata": g.metadata, "trained": split == "train" and _has_signal(rewards),
+                "metadata": g.metadata, "trained": split == "train" and has_signal(rewards),
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                 "scenario": _first_user_text(g),
             })
@@ -182,7 +181,7 @@ class RunView:
         if not _STEP.fullmatch(index) or int(index) >= len(groups):
             raise NotFound(f"no group {index}")
         g = groups[int(index)]
-        trained = split == "train" and _has_signal(g.rewards)
+        trained = split == "train" and has_signal(g.rewards)
         return {
             "split": split, "step": int(step), "index": int(index), "trained": trained,
             "metadata": g.metadata,
@@ -202,10 +201,6 @@ def _inside(path: Path, root: Path) -> bool:
 def _finite(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items()
             if not (isinstance(v, float) and not math.isfinite(v))}
-
-
-def _has_signal(rewards: list[float]) -> bool:
-    return len(rewards) >= 2 and max(rewards) - min(rewards) > ZERO_VARIANCE_TOL
 
 
 def _first_user_text(g: TrajectoryGroup) -> str:

@@ -128,6 +128,11 @@ class PipelineStore:
         pool = [g for gid, g in groups.items() if gid not in taken]
         return pool, pending
 
+    def completed_groups(self) -> int:
+        """How many groups completed (trained, pooled or dropped): where a resumed run's
+        scenario stream goes on."""
+        return len(read_jsonl(self.groups_file))
+
     def rows(self) -> list[dict[str, Any]]:
         """The committed steps' rows, in order (for a summary across restarts)."""
         return [e["row"] | {"step": e["step"]} for e in self.events()

@@ -9,6 +9,11 @@ The algorithm of `PipelineTrainer.run(steps)`:
 2. Trainer: as soon as the pool holds `groups_per_step` groups, take the oldest and train one
    step (`model.train`). It never waits for a straggler: a rollout still running carries over
    into a later step.
+   Dynamic sampling (`oversample`, art_core/sampling.py): a completed group whose rewards are
+   all equal carries no signal; it is stored, marked dropped ("no_signal") and another
+   scenario is drawn in its place, up to `oversample` x groups_per_step groups completed per
+   step; past that budget such groups join the pool (the trainer counts them) and a warning
+   says so.
 3. Off-policy bound: every sampled turn carries the step of the adapter that sampled it. A
    group whose oldest turn is more than `max_steps_off_policy` steps behind the policy being
    trained is dropped and counted. The loss's importance ratio uses the sampler's own
@@ -35,8 +40,7 @@ or art_mcp's `run_agent`.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +50,10 @@ from typing import Any, Literal
 from art_core.gather import AfterEach, GatherError, gather_trajectory_groups
 from art_core.model import TrainableModel
 from art_core.pipeline.store import Buffered, PipelineStore
+from art_core.sampling import DEFAULT_BUDGET, shuffled_passes
 from art_core.trajectory import steps_off_policy
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "collocated", "dedicated"]
 KEEP_SERVING: dict[str, bool | None] = {"auto": None, "collocated": False, "dedicated": True}
@@ -61,6 +68,7 @@ class PipelineResult:
     cancelled_stale: int  # running groups cancelled because they could only finish too stale
     failed_groups: int
     filtered_groups: int  # dropped by after_each
+    skipped_no_signal: int  # completed with all rewards equal: another scenario was drawn
     seconds: float
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step
 
@@ -74,7 +82,7 @@ class PipelineTrainer:
                  max_groups_in_flight: int | None = None, after_each: AfterEach | None = None,
                  train_config: Any = None, mode: Mode = "auto", seed: int = 0,
                  max_exceptions: int | float = 0.5, max_failed_groups_in_a_row: int = 8,
-                 show_progress: bool = True,
+                 oversample: float | None = DEFAULT_BUDGET, show_progress: bool = True,
                  on_step: Callable[[dict[str, Any]], str | None] | None = None,
                  print_fn: Callable[[str], None] = print) -> None:
         """`max_steps_off_policy`: the oldest turn of a trained group may be this many steps
@@ -85,7 +93,9 @@ class PipelineTrainer:
         failed rollouts a group tolerates (as gather_trajectory_groups takes it); a group
         beyond it is counted failed, and `max_failed_groups_in_a_row` failed groups in a row
         stop the run (every rollout failing is a bug, not bad luck). `run_dir`: the store of
-        completed groups (resume). `on_step(row)` returns the line printed after each step."""
+        completed groups (resume). `oversample`: groups completed per step at most, as a multiple
+        of groups_per_step, while groups without signal are replaced (dynamic sampling; None
+        trains every completed group). `on_step(row)` returns the line printed after each step."""
         for name, value, least in (("groups_per_step", groups_per_step, 1),
                                    ("rollouts_per_group", rollouts_per_group, 2),
                                    ("max_steps_off_policy", max_steps_off_policy, 0),
@@ -98,6 +108,9 @@ class PipelineTrainer:
                 or max_groups_in_flight < 1:
             raise ValueError(f"max_groups_in_flight must be an integer >= 1, got "
                              f"{max_groups_in_flight!r}")
+        if oversample is not None and (isinstance(oversample, bool) or
+                                       not isinstance(oversample, int | float) or oversample < 1):
+            raise ValueError(f"oversample must be None or a number >= 1, got {oversample!r}")
         if mode not in KEEP_SERVING:
             raise ValueError(f"mode must be one of {list(KEEP_SERVING)}, got {mode!r}")
         scenarios = list(scenarios)
@@ -111,6 +124,7 @@ class PipelineTrainer:
         self.after_each, self.train_config, self.mode = after_each, train_config, mode
         self.seed, self.max_exceptions = seed, max_exceptions
         self.max_failed_in_a_row = max_failed_groups_in_a_row
+        self.oversample = oversample
         self.show_progress, self.on_step, self.print_fn = show_progress, on_step, print_fn
 
     # ---- state of one run --------------------------------------------------------------------
@@ -124,8 +138,9 @@ class PipelineTrainer:
         self._error: BaseException | None = None
         self._failed_in_a_row = 0
         self.dropped_stale = self.failed_groups = self.filtered_groups = 0
-        self.cancelled_stale = 0
-        self._dropped_since_step = self._cancelled_since_step = 0
+        self.cancelled_stale = self.skipped_no_signal = 0
+        self._dropped_since_step = self._cancelled_since_step = self._skipped_since_step = 0
+        self._budget_warned = False
 
     def _notify(self) -> None:
         """Wake everything waiting for a change (the producer, the trainer)."""
@@ -140,12 +155,21 @@ class PipelineTrainer:
     def _scenario_stream(self, offset: int) -> Iterator[Any]:
         """Scenarios in shuffled passes (each equally often), seeded: a resumed run goes on
         from the number of groups it had completed."""
-        for n in itertools.count():
-            order = list(range(len(self.scenarios)))
-            random.Random(f"{self.seed}-pass-{n}").shuffle(order)
-            for j, i in enumerate(order):
-                if n * len(order) + j >= offset:
-                    yield self.scenarios[i]
+        return shuffled_passes(self.scenarios, self.seed, offset)
+
+    def _skip_no_signal(self) -> bool:
+        """Whether a completed group without signal is replaced (within this step's budget)."""
+        if self.oversample is None:
+            return False
+        extra = round((self.oversample - 1) * self.groups_per_step)
+        if self._skipped_since_step < extra:
+            return True
+        if not self._budget_warned:
+            self._budget_warned = True
+            log.warning("pipeline: %d groups without signal replaced since the last step "
+                        "(oversample=%s); the next ones are trained as they are", extra,
+                        self.oversample)
+        return False
 
     # ---- producer ----------------------------------------------------------------------------
 
@@ -177,6 +201,11 @@ class PipelineTrainer:
             item = Buffered(self.store.new_group_id(), started, groups[0])
             item.group.metadata["pipeline_group"] = item.id
             await asyncio.to_thread(self.store.add, item)  # on disk before it can be trained
+            if not item.group.has_signal and self._skip_no_signal():
+                await asyncio.to_thread(self.store.dropped, [item], "no_signal", self._policy)
+                self.skipped_no_signal += 1
+                self._skipped_since_step += 1
+                return
             self._pool.append(item)
         except GatherError as e:
             self.failed_groups += 1
@@ -246,6 +275,7 @@ class PipelineTrainer:
             "groups": len(batch), "groups_in_flight": in_flight, "groups_ready": ready,
             "dropped_stale": self._dropped_since_step,
             "cancelled_stale": self._cancelled_since_step,
+            "skipped_no_signal": self._skipped_since_step,
             "groups_started_behind": sum(self._policy - b.started_step for b in batch)
             / len(batch),
         }
@@ -253,7 +283,8 @@ class PipelineTrainer:
                   "frac_turns_off_policy", "seconds"):
             if k in m:
                 row["train_seconds" if k == "seconds" else k] = m[k]
-        self._dropped_since_step = self._cancelled_since_step = 0
+        self._dropped_since_step = self._cancelled_since_step = self._skipped_since_step = 0
+        self._budget_warned = False
         await asyncio.to_thread(self.store.committed, request_id, result.step, row)
         self._policy = max(self._policy, result.step)
         self._cancel_doomed()
@@ -284,7 +315,6 @@ class PipelineTrainer:
         self._policy = await self.model.get_step()
         rows: list[dict[str, Any]] = []
         t_start = last = time.perf_counter()
-        done = len(await asyncio.to_thread(self.store.rows))
         bar = tqdm(total=steps, desc="pipeline", unit="step", disable=not self.show_progress)
         producer: asyncio.Task[None] | None = None
         try:
@@ -298,7 +328,8 @@ class PipelineTrainer:
                     bar.update(1)
                     self._report(row)
                 last = time.perf_counter()
-            scenarios = self._scenario_stream(done * self.groups_per_step + len(pool))
+            scenarios = self._scenario_stream(
+                await asyncio.to_thread(self.store.completed_groups))
             producer = asyncio.ensure_future(self._produce(scenarios, bar))
             while self._left > 0:
                 t_wait = time.perf_counter()
@@ -325,6 +356,7 @@ class PipelineTrainer:
                               cancelled_stale=self.cancelled_stale,
                               failed_groups=self.failed_groups,
                               filtered_groups=self.filtered_groups,
+                              skipped_no_signal=self.skipped_no_signal,
                               seconds=time.perf_counter() - t_start,
                               step_seconds=[r["seconds"] for r in rows])
 

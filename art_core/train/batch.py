@@ -48,15 +48,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from art_core.trajectory import History, SampledTurn, Trajectory, continues, split_reason
+from art_core.trajectory import (
+    History,
+    SampledTurn,
+    Trajectory,
+    continues,
+    has_signal,
+    split_reason,
+)
 
 log = logging.getLogger(__name__)
 
 ADVANTAGE_EPS = 1e-6
 """Added to the group std before dividing: keeps near-equal rewards from exploding into +-1."""
-
-ZERO_VARIANCE_TOL = 1e-8
-"""A group whose rewards span no more than this is 'all equal' and carries no signal."""
 
 _Row = TypeVar("_Row", bound=Sized)
 
@@ -76,7 +80,7 @@ def compute_advantages(
     """Group-relative advantages (GRPO): each trajectory is compared with its own group only.
 
     Returns the kept trajectories with their advantage, in group order, and step statistics:
-    `groups`, `groups_zero_variance` (all rewards equal within `ZERO_VARIANCE_TOL`),
+    `groups`, `groups_zero_variance` (all rewards equal within `trajectory.ZERO_VARIANCE_TOL`),
     `frac_groups_zero_variance`, `groups_too_small` (fewer than 2 trajectories; counted apart
     from zero-variance ones), `trajectories`, `trajectories_kept`, and `reward_mean` /
     `reward_std` (population) over ALL trajectories, dropped groups included, so the reward curve
@@ -93,7 +97,7 @@ def compute_advantages(
         if len(trajectories) < 2:
             n_too_small += 1  # nothing to compare with
             continue
-        if max(rewards) - min(rewards) <= ZERO_VARIANCE_TOL:
+        if not has_signal(rewards):
             n_zero_variance += 1  # every advantage would be 0: no gradient, only cost
             continue
         mean, std = _mean_std(rewards)

@@ -40,8 +40,10 @@ def journaled_ids(md, step: int) -> list[str]:
 
 
 def pipeline(model, rollout, run_dir: Path, **kw) -> PipelineTrainer:
+    # made-up rollouts alternate rewards across concurrent groups, so a group may score alike:
+    # dynamic sampling is off unless a test is about it (it would replace such groups)
     kw = {"groups_per_step": 2, "rollouts_per_group": 2, "train_config": CONFIG,
-          "show_progress": False, "print_fn": lambda line: None, **kw}
+          "show_progress": False, "print_fn": lambda line: None, "oversample": None, **kw}
     return PipelineTrainer(model, rollout, ["a", "b", "c", "d"], run_dir=run_dir, **kw)
 
 
@@ -70,6 +72,36 @@ async def test_steps_train_on_stored_groups_each_journaled_once(tiny_models, tmp
         history = md.read_history()
         assert [r["step"] for r in history] == [1, 2, 3]
         assert all("off_policy_steps_max" in r for r in history)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(("oversample", "skipped"), [(3.0, True), (None, False)],
+                         ids=["dynamic-sampling", "off"])
+async def test_groups_without_signal_are_replaced_within_the_budget(tiny_models, tmp_path,
+                                                                    oversample, skipped):
+    backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
+    try:
+        tok = tokenizer(backend, model)
+        alternating = made_up_rollout(model, tok)
+
+        async def rollout(scenario: str):
+            t = await alternating(scenario)
+            if scenario in ("a", "b"):
+                t.reward = 1.0  # every episode of a and b alike: no signal
+            return t
+
+        trainer = pipeline(model, rollout, tmp_path / "pipe", oversample=oversample)
+        result = await trainer.run(2)
+        md = model_dir(backend, model)
+        trained = [g for s in (1, 2) for g in md.journaled(s)]
+        assert len(trained) == 4
+        assert all(g.has_signal for g in trained) == skipped
+        assert (result.skipped_no_signal > 0) == skipped
+        assert sum(r["skipped_no_signal"] for r in result.steps) == result.skipped_no_signal
+        dropped = [e for e in PipelineStore(tmp_path / "pipe").events()
+                   if e["event"] == "dropped" and e["reason"] == "no_signal"]
+        assert len(dropped) == (result.skipped_no_signal if skipped else 0)
     finally:
         await backend.close()
 
@@ -275,6 +307,7 @@ async def test_a_committed_request_id_is_answered_not_trained_again(tiny_models,
     ({"max_steps_off_policy": -1}, "max_steps_off_policy must be an integer >= 0"),
     ({"max_groups_in_flight": 0}, "max_groups_in_flight must be an integer >= 1"),
     ({"mode": "remote"}, "mode must be one of"),
+    ({"oversample": 0.5}, "oversample must be None or a number >= 1"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, kwargs, message):
     from art_core import TrainableModel

@@ -1,0 +1,185 @@
+"""Dynamic sampling (art_core/sampling.py): a step that asks for N groups with signal gets N
+while the budget allows, stops at the budget with a warning, counts what it skipped, keeps the
+draw order; the loop and the pipeline use it and a resumed run draws the same scenarios."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from art_core import Trajectory, TrajectoryGroup
+from art_core.loop import train_loop
+from art_core.model import TrainResult
+from art_core.storage import read_jsonl
+from art_core.sampling import gather_signal_groups, round_size, shuffled_passes
+
+ALIKE, MIXED = "alike", "mixed"  # a scenario's group scores all alike, or not
+
+
+def traj(reward: float, scenario: Any) -> Trajectory:
+    t = Trajectory(messages=[{"role": "user", "content": str(scenario)}], reward=reward)
+    t.metadata["scenario"] = str(scenario)
+    return t
+
+
+async def rollout(scenario: tuple[str, int], i: int) -> Trajectory:
+    """Scenario (kind, index): an 'alike' group scores 1.0 every time, a 'mixed' one 0 and 1."""
+    await asyncio.sleep(0.001 * ((scenario[1] * 7 + i) % 5))  # finish out of order
+    kind, _ = scenario
+    return traj(1.0 if kind == ALIKE else float(i % 2), scenario)
+
+
+def make_group(scenario: tuple[str, int], size: int = 4) -> list[Any]:
+    return [rollout(scenario, i) for i in range(size)]
+
+
+def stream(kinds: str) -> list[tuple[str, int]]:
+    """'AAM...' -> [(alike, 0), (alike, 1), (mixed, 2), ...]."""
+    return [(ALIKE if k == "A" else MIXED, i) for i, k in enumerate(kinds)]
+
+
+@pytest.mark.parametrize(("kinds", "asked", "budget", "got", "drawn", "skipped", "rounds"), [
+    ("MMM", 3, 9, 3, 3, 0, 1),              # all with signal: one round, nothing wasted
+    ("AMAMMA" + "M" * 20, 3, 9, 3, 8, 3, 2),  # round 1: 1 of 3; round 2 draws ceil(2 / (2/5))
+    ("A" * 20, 2, 6, 0, 6, 6, 2),           # nothing with signal: stops at the budget
+    ("AAMAAAAAM", 2, 9, 2, 9, 7, 2),       # none in round 1: round 2 takes the whole budget
+    ("AM", 2, 6, 1, 2, 1, 1),               # the scenarios run out
+])
+async def test_asks_for_n_with_signal_and_stops_at_the_budget(kinds, asked, budget, got, drawn,
+                                                             skipped, rounds, caplog):
+    with caplog.at_level(logging.WARNING, logger="art_core.sampling"):
+        out = await gather_signal_groups(make_group, stream(kinds), asked, max_groups=budget,
+                                         show_progress=False, description="step 1")
+    assert (len(out.groups), out.drawn, len(out.skipped), out.rounds) == (got, drawn, skipped,
+                                                                           rounds)
+    assert all(g.has_signal for g in out.groups) and not any(g.has_signal for g in out.skipped)
+    assert out.scenarios == stream(kinds)[:drawn]  # a prefix of the stream, in order
+    m = out.metrics()
+    assert m["sampling_groups_drawn"] == drawn and m["sampling_budget_used"] == drawn / budget
+    assert m["sampling_groups_skipped"] == skipped
+    warned = [r for r in caplog.records if "groups with signal after drawing" in r.message]
+    assert bool(warned) == (got < asked)
+    if warned:
+        assert "step 1" in warned[0].message
+
+
+async def test_keeps_the_first_n_in_draw_order_and_counts_the_surplus():
+    # round 1: 2 scenarios, 1 with signal (the second); round 2 draws ceil(1 / (2/4)) = 2,
+    # both with signal: the first is kept, the other is surplus
+    out = await gather_signal_groups(make_group, stream("AMMM"), 2, max_groups=6,
+                                     show_progress=False)
+    assert [g.trajectories[0].metadata["scenario"] for g in out.groups] == \
+        [str((MIXED, 1)), str((MIXED, 2))]
+    assert (out.surplus, out.metrics()["sampling_groups_with_signal"]) == (1, 3)
+
+
+async def test_groups_dropped_by_after_each_count_as_drawn_without_signal():
+    def drop_odd(group: TrajectoryGroup) -> TrajectoryGroup | None:
+        return None if group.trajectories[0].metadata["scenario"].endswith("1)") else group
+
+    out = await gather_signal_groups(make_group, stream("MMMM"), 2, max_groups=4,
+                                     after_each=drop_odd, show_progress=False)
+    # round 1: 1 of 2 (the other dropped); round 2 draws 2 at rate 2/4, one is surplus
+    assert (len(out.groups), out.dropped, out.drawn, out.surplus) == (2, 1, 4, 1)
+    assert out.metrics()["sampling_groups_skipped"] == 1
+
+
+async def test_reward_mean_covers_everything_sampled():
+    out = await gather_signal_groups(make_group, stream("AM"), 1, max_groups=3,
+                                     show_progress=False)
+    assert out.metrics()["sampling_reward_mean"] == pytest.approx((4 * 1.0 + 2 * 1.0) / 8)
+
+
+@pytest.mark.parametrize(("asked", "found", "drawn", "budget", "size"), [
+    (6, 0, 0, 18, 6),    # first round: what was asked for
+    (6, 1, 6, 18, 12),   # rate 2/8: 20 wanted, 12 left in the budget
+    (6, 3, 6, 18, 6),    # rate 4/8: 3 more need 6
+    (6, 5, 8, 18, 2),    # rate 6/10: 1 more needs 2
+    (4, 0, 12, 12, 0),   # budget spent
+])
+def test_round_size(asked, found, drawn, budget, size):
+    assert round_size(asked, found, drawn, budget) == size
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n_groups": 0}, "n_groups must be an integer >= 1"),
+    ({"n_groups": 3, "max_groups": 2}, "max_groups must be an integer >= n_groups"),
+    ({"n_groups": True}, "n_groups must be an integer"),
+])
+async def test_bad_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        await gather_signal_groups(make_group, stream("MM"), show_progress=False, **kwargs)
+
+
+def test_shuffled_passes_visit_each_once_per_pass_and_resume_at_an_offset():
+    items = list(range(5))
+    draws = [x for x, _ in zip(shuffled_passes(items, 3), range(15), strict=False)]
+    assert all(sorted(draws[i:i + 5]) == items for i in (0, 5, 10))
+    assert draws != list(range(15)) and draws[:5] != draws[5:10]
+    resumed = [x for x, _ in zip(shuffled_passes(items, 3, offset=7), range(8), strict=False)]
+    assert resumed == draws[7:]
+    with pytest.raises(ValueError, match="no scenarios"):
+        next(shuffled_passes([], 0))
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+
+class CountingModel:
+    """Stands in for a TrainableModel: counts steps, keeps the scenarios of what it trained."""
+
+    def __init__(self) -> None:
+        self.step, self.trained = 0, []
+
+    async def get_step(self) -> int:
+        return self.step
+
+    async def train(self, groups: list[TrajectoryGroup], config: Any = None) -> TrainResult:
+        self.step += 1
+        self.trained.append([g.trajectories[0].metadata["scenario"] for g in groups])
+        return TrainResult(step=self.step, metrics={"reward_mean": 0.5, "loss": 0.1})
+
+
+async def loop(model: CountingModel, run_dir, steps: int, **kw: Any):
+    counts: dict[Any, int] = {}
+
+    async def one(scenario: tuple[str, int]) -> Trajectory:
+        # rollouts of a mixed scenario alternate 0 and 1: any group of 4 holds both
+        counts[scenario] = counts.get(scenario, -1) + 1
+        return await rollout(scenario, counts[scenario])
+
+    return await train_loop(model, one, stream("AAM" * 4), [(MIXED, 100)], run_dir,
+                            steps=steps, groups_per_step=2, rollouts_per_group=4,
+                            eval_rollouts=1, print_fn=lambda s: None, **kw)
+
+
+async def test_the_loop_trains_only_groups_with_signal_and_records_the_cost(tmp_path):
+    model = CountingModel()
+    result = await loop(model, tmp_path, steps=2)
+    mixed = {str(s) for s in stream("AAM" * 4) if s[0] == MIXED}
+    assert [len(step) for step in model.trained] == [2, 2]
+    assert all(s in mixed for step in model.trained for s in step)
+    drawn = [row["sampling_groups_drawn"] for row in result.steps]
+    assert min(drawn) >= 2 and max(drawn) > 2  # 1 in 3 has signal: some step drew more
+    rows = read_jsonl(tmp_path / "sampling.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+async def test_a_resumed_loop_draws_what_an_uninterrupted_one_draws(tmp_path):
+    straight = CountingModel()
+    await loop(straight, tmp_path / "a", steps=3)
+    resumed = CountingModel()
+    await loop(resumed, tmp_path / "b", steps=1)
+    await loop(resumed, tmp_path / "b", steps=2)
+    assert resumed.trained == straight.trained
+
+
+async def test_the_loop_without_dynamic_sampling_trains_what_it_drew(tmp_path):
+    model = CountingModel()
+    result = await loop(model, tmp_path, steps=1, oversample=None)
+    assert len(model.trained[0]) == 2 and "sampling_groups_drawn" not in result.steps[0]
+    with pytest.raises(ValueError, match="oversample must be None or a number >= 1"):
+        await loop(model, tmp_path, steps=1, oversample=0.5)
