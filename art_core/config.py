@@ -124,7 +124,7 @@ class ModelConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
 
-LossName = Literal["cispo", "ppo", "gspo"]
+LossName = Literal["cispo", "ppo", "gspo", "dppo"]
 
 
 class TrainConfig(_Strict):
@@ -137,13 +137,23 @@ class TrainConfig(_Strict):
     loss: LossName = Field("cispo", description=(
         "'cispo': clipped, detached importance weight times logprob (MiniMax-M1, 2025; ART's "
         "default), keeps a gradient on every token. 'ppo': PPO clipped ratio. 'gspo': "
-        "sequence-level ratio (Qwen GSPO, 2025)."))
+        "sequence-level ratio (Qwen GSPO, 2025). 'dppo': DPPO-Binary-TV (2026; verl's "
+        "dppo_tv): a trust region on the token's probability change, not its ratio."))
     epsilon_low: float | None = Field(None, ge=0, description=(
         "Lower clip: ratio >= 1 - epsilon_low. None picks the loss's own default: "
-        "ppo 0.2 (PPO), cispo 1.0 (no lower bound, as in CISPO), gspo 3e-4 (GSPO paper)."))
+        "ppo 0.2 (PPO), cispo 1.0 (no lower bound, as in CISPO), gspo 3e-4 (GSPO paper), "
+        "dppo 0.2 (a probability drop: verl's clip_ratio default for dppo_tv)."))
     epsilon_high: float | None = Field(None, ge=0, description=(
         "Upper clip: ratio <= 1 + epsilon_high. None picks: ppo 0.28 (DAPO clip-higher), "
-        "cispo 4.0 (caps only outlier weights), gspo 4e-4 (GSPO paper)."))
+        "cispo 4.0 (caps only outlier weights), gspo 4e-4 (GSPO paper), dppo 0.2 (a "
+        "probability rise)."))
+    tis_cap: float | None = Field(None, gt=0, description=(
+        "Token-level truncated importance sampling against the sampler (Yao et al. 2025, "
+        "C = 2 there; on by default in TRL): the loss's trust region is measured against the "
+        "trainer's own policy and the sampler/trainer mismatch is weighted by "
+        "min(pi_trainer / pi_sampler, tis_cap). With one optimizer step per call this makes "
+        "ppo, gspo and dppo the truncated-IS gradient (CISPO's, without a lower bound; "
+        "art_core/train/loss.py). None: the ratio against the sampler, as the loss defines."))
     kl_coef: float = Field(0.0, ge=0, description=(
         "Weight of a k3 KL penalty to the base model (the adapter disabled is the reference). "
         "Off by default: DAPO and Dr. GRPO found it unnecessary for verifiable rewards."))
@@ -198,7 +208,8 @@ class TrainConfig(_Strict):
 
     def clip_bounds(self) -> tuple[float, float]:
         """(epsilon_low, epsilon_high), resolved to the loss's own defaults where unset."""
-        defaults = {"ppo": (0.2, 0.28), "cispo": (1.0, 4.0), "gspo": (3e-4, 4e-4)}[self.loss]
+        defaults = {"ppo": (0.2, 0.28), "cispo": (1.0, 4.0), "gspo": (3e-4, 4e-4),
+                    "dppo": (0.2, 0.2)}[self.loss]
         low = defaults[0] if self.epsilon_low is None else self.epsilon_low
         high = defaults[1] if self.epsilon_high is None else self.epsilon_high
         return low, high

@@ -11,6 +11,13 @@ The algorithm, for every trained token t of sequence b (mask[b, t] is True):
     cispo loss_t = -sg[clip(r, 1 - eps_low, 1 + eps_high)] A logp
                    CISPO (MiniMax-M1, 2025): the importance WEIGHT is clipped and detached, the
                    gradient of logp itself is never cut, so every token keeps a gradient.
+    dppo  loss_t = -sg[min(r, C)] A logp   where the token stayed in the trust region, else 0
+                   DPPO-Binary-TV (Qiu et al., "Rethinking the Trust Region in LLM RL", 2026;
+                   verl's dppo_tv): the region is |p - p_old| of the sampled token's probability
+                   (a one-token total variation), not the ratio: p - p_old <= eps_high when A > 0,
+                   p - p_old >= -eps_low when A <= 0. A rare token's ratio can swing by 10x while
+                   its probability moves by 0.001; PPO cuts its gradient, DPPO does not.
+                   C = DPPO_RATIO_CAP bounds the importance weight (verl's clip_ratio_c).
     gspo  s_b    = exp(mean over b's trained tokens of (logp - old))     one ratio per sequence
           s_bt   = sg[s_b] exp(logp_t - sg[logp_t])   value s_b, gradient s_b * d logp_t
           loss_t = -min(s_bt A, clip(s_bt, 1 - eps_low, 1 + eps_high) A)
@@ -19,6 +26,16 @@ The algorithm, for every trained token t of sequence b (mask[b, t] is True):
     kl    loss_t += kl_coef (exp(ref - logp) - (ref - logp) - 1)
                    k3 estimator of KL(policy || reference) (Schulman, "Approximating KL", 2020):
                    unbiased, always >= 0. Optional: off unless ref_logprobs are given.
+
+    tis   (tis_cap set) the trust region is measured against the trainer's own logprob at the
+          start of the step, sg[logp], and the sampler/trainer mismatch is corrected by a
+          truncated importance weight instead (token-level TIS, Yao et al. 2025, "Your Efficient
+          RL Framework Secretly Brings You Off-Policy RL Training"; on by default in TRL 1.x):
+              loss_t = w_t * loss_t(old = sg[logp]),   w_t = sg[min(exp(logp - old), tis_cap)]
+          Our trainer takes one optimizer step per call, so sg[logp] IS the policy before the
+          step: every ratio of the trust region is exactly 1 (ppo and gspo clip nothing, dppo
+          masks nothing) and each of them becomes the truncated-IS policy gradient
+          -w_t A d logp, i.e. CISPO's gradient with no lower bound and cap tis_cap.
 
     loss = sum over b, t of token_weights[b, t] * loss_t
 
@@ -48,7 +65,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-LOSSES = ("ppo", "cispo", "gspo")
+LOSSES = ("ppo", "cispo", "gspo", "dppo")
+
+DPPO_RATIO_CAP = 20.0
+"""DPPO's truncation of the importance weight (verl's clip_ratio_c default): only outliers."""
 
 
 def grpo_loss(
@@ -63,6 +83,7 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,  # [B, T] reference-model logprobs, for the KL term
     kl_coef: float = 0.0,
     token_weights: Tensor | None = None,  # [B, T]; None: each row is its own trajectory
+    tis_cap: float | None = None,  # truncated importance sampling against the sampler (tis)
 ) -> tuple[Tensor, dict[str, float]]:
     """The weighted policy loss (a scalar with grad) and float metrics. See the module docstring.
 
@@ -72,13 +93,17 @@ def grpo_loss(
       sampler_trainer_prob_diff = mean |exp(logp) - exp(old)| over trained tokens (chosen over
       |r - 1| because it is bounded in [0, 1] and not dominated by rare low-probability tokens
       whose ratios explode: a large value means vLLM and the trainer disagree, e.g. different
-      weights or numerics), and kl when ref_logprobs are given.
+      weights or numerics), kl when ref_logprobs are given, and with tis_cap: tis_weight_mean
+      and tis_clip_frac (weights truncated at the cap). For dppo, clip_*_frac count the tokens
+      outside the trust region (masked).
     Off-mask positions never reach the arithmetic, so padding garbage (even -inf) is harmless.
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be None or > 0, got {tis_cap!r}")
     m = mask.to(torch.bool)  # [B, T]
     mf = m.float()  # [B, T]
     if token_weights is None:
@@ -91,7 +116,14 @@ def grpo_loss(
     adv = advantages.float()[:, None] if per_row else advantages.float()  # [B, 1] or [B, T]
     # where() instead of multiplying by the mask: keeps inf/nan at padding out of values and grads
     logp = torch.where(m, logprobs.float(), 0.0)  # [B, T]
-    old = torch.where(m, old_logprobs.float(), 0.0)  # [B, T]
+    sampler = torch.where(m, old_logprobs.float(), 0.0)  # [B, T]
+    tis_w = None
+    if tis_cap is not None:
+        # the trust region against the trainer's own policy; the sampler by a truncated weight
+        tis_w = torch.exp(logp.detach() - sampler).clamp(max=tis_cap)  # [B, T]
+        old = logp.detach()
+    else:
+        old = sampler
     lo, hi = 1.0 - epsilon_low, 1.0 + epsilon_high
 
     if loss == "gspo":
@@ -112,6 +144,13 @@ def grpo_loss(
             with torch.no_grad():  # the clipped branch is the smaller one only on these sides
                 high = m & (adv > 0) & (ratio > hi)
                 low = m & (adv < 0) & (ratio < lo)
+        elif loss == "dppo":
+            with torch.no_grad():  # the trust region on the token's probability, by A's sign
+                moved = logp.exp() - old.exp()  # [B, T]
+                high = m & (adv > 0) & (moved > epsilon_high)
+                low = m & (adv <= 0) & (moved < -epsilon_low)
+                keep = (~(high | low)).float()  # [B, T]
+            per_token = -ratio.clamp(max=DPPO_RATIO_CAP).detach() * adv * logp * keep
         else:  # cispo
             per_token = -ratio.clamp(lo, hi).detach() * adv * logp
             with torch.no_grad():  # the weight is truncated whatever the advantage's sign
@@ -119,6 +158,8 @@ def grpo_loss(
                 low = m & (ratio < lo)
         units, unit_ratio = m, ratio
 
+    if tis_w is not None:
+        per_token = per_token * tis_w
     kl_t = None
     if ref_logprobs is not None:
         d = torch.where(m, ref_logprobs.float(), 0.0) - logp  # [B, T] log(ref / policy)
@@ -130,7 +171,7 @@ def grpo_loss(
     with torch.no_grad():
         n_units = units.sum().clamp(min=1).float()
         n_tok = mf.sum().clamp(min=1)
-        prob_diff = ((logp.exp() - old.exp()).abs() * mf).sum() / n_tok
+        prob_diff = ((logp.exp() - sampler.exp()).abs() * mf).sum() / n_tok
         metrics = {
             "loss": total.item(),
             "ratio_mean": (unit_ratio * units).sum().div(n_units).item(),
@@ -141,6 +182,9 @@ def grpo_loss(
         }
         if kl_t is not None:
             metrics["kl"] = (kl_t * mf).sum().div(n_tok).item()
+        if tis_w is not None:
+            metrics["tis_weight_mean"] = (tis_w * mf).sum().div(n_tok).item()
+            metrics["tis_clip_frac"] = ((tis_w >= tis_cap) & m).sum().div(n_tok).item()
     return total, metrics
 
 

@@ -201,6 +201,7 @@ class Trainer:
                 logp, old, shifted["advantages"], mask, loss=config.loss,
                 epsilon_low=low, epsilon_high=high, ref_logprobs=ref,
                 kl_coef=config.kl_coef, token_weights=shifted["token_weights"],
+                tis_cap=config.tis_cap,
             )
             loss.backward()  # micro-batch losses add up to the step's loss (weights sum to 1)
             n = int(mask.sum())

@@ -45,6 +45,10 @@ SINGLE_TOKEN = [
     ("cispo", 1.5, -1.0, -2.56, 1.28, 0, 1),  # truncated whatever A's sign
     ("cispo", 0.5, -1.0, -1.6, 0.8, 1, 0),  # -0.8 * -1 * -2 = -1.6; grad 0.8
     ("cispo", 0.5, 1.0, 1.6, -0.8, 1, 0),
+    # dppo (trust region on p - p_old, eps 0.2 down / 0.28 up; p = e^-2 = 0.135 here):
+    ("dppo", 1.5, 1.0, 3.0, -1.5, 0, 0),  # ratio 1.5 (ppo clips) but p moved +0.045: kept
+    ("dppo", 0.5, -1.0, -1.0, 0.5, 0, 0),  # p_old 0.27, moved -0.135 > -0.2: kept
+    ("dppo", 30.0, 1.0, 40.0, -20.0, 0, 0),  # moved +0.13: kept; weight capped at 20
     ("gspo", 1.5, 1.0, -1.28, 0.0, 0, 1),  # one token: sequence ratio = token ratio, as ppo
     ("gspo", 0.5, -1.0, 0.8, 0.0, 1, 0),
     ("gspo", 1.2, -0.5, 0.6, 0.6, 0, 0),  # grad s * (-A) = 1.2 * 0.5
@@ -137,7 +141,7 @@ def test_sampler_trainer_prob_diff():
     assert metrics["sampler_trainer_prob_diff"] == pytest.approx(0.194662, abs=1e-5)
 
 
-@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo", "dppo"])
 def test_zero_advantages_give_zero_loss(loss):
     logp, old, _, mask = two_by_three(loss)
     value, _ = grpo_loss(logp, old, torch.zeros(2), mask, loss=loss, **EPS)
@@ -149,7 +153,7 @@ def test_zero_advantages_give_zero_loss(loss):
 # k3 with d = ref - logp: d = ln 2 -> 2 - ln 2 - 1 = 0.306853; d = -ln 2 -> 0.5 + ln 2 - 1 =
 # 0.193147; d = 0 -> 0. The ln 2 cancel: sum 0.5, mean over 4 tokens 0.125, weighted 0.125,
 # times kl_coef 0.1 = 0.0125. d k3 / d logp = 1 - e^d: -1 (d = ln 2), 0.5 (d = -ln 2), x 0.25 x 0.1.
-@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo", "dppo"])
 @pytest.mark.parametrize(
     "kl_coef,use_ref,expected,grads",
     [
@@ -221,7 +225,7 @@ def test_trajectory_token_weights(per_sequence, expected):
     assert w.sum().item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo", "dppo"])
 def test_long_and_short_trajectory_weigh_the_same(loss):
     # Trajectory 0: 5 trained tokens, A = +1; trajectory 1: 1 trained token, A = -1; r = 1.
     # Each token of trajectory 0 weighs 1/5 / 2 = 0.1, the one of trajectory 1 weighs 0.5, so the
@@ -235,7 +239,7 @@ def test_long_and_short_trajectory_weigh_the_same(loss):
     value.backward()
     row_grad = logp.grad.sum(-1)
     torch.testing.assert_close(row_grad, torch.tensor([-0.5, 0.5]))
-    if loss != "cispo":  # cispo's value is -A logp, the others' -A r: 0.5 (-1) + 0.5 (+1) = 0
+    if loss not in ("cispo", "dppo"):  # these: -A logp; the others -A r: 0.5 (-1) + 0.5 (+1) = 0
         assert value.item() == pytest.approx(0.0, abs=1e-6)
 
 
@@ -324,7 +328,7 @@ def test_chunked_logprobs_bf16_hidden_gives_float32():
     torch.testing.assert_close(lp, ref_lp)
 
 
-@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo", "dppo"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_one_sgd_step_moves_logprobs_with_the_advantage(loss, sign):
     # The hidden states are the parameters: each position has its own, so a token's logprob moves
@@ -334,7 +338,8 @@ def test_one_sgd_step_moves_logprobs_with_the_advantage(loss, sign):
     weight = torch.randn(9, 8, generator=g)
     targets = torch.randint(0, 9, (1, 4), generator=g)
     mask = torch.tensor([[False, True, True, True]])
-    eps = {"ppo": (0.2, 0.28), "cispo": (1.0, 4.0), "gspo": (3e-4, 4e-4)}[loss]  # config defaults
+    eps = {"ppo": (0.2, 0.28), "cispo": (1.0, 4.0), "gspo": (3e-4, 4e-4),
+           "dppo": (0.2, 0.2)}[loss]  # config defaults
 
     before, _ = chunked_token_logprobs(hidden, weight, targets, 3)
     value, _ = grpo_loss(
@@ -347,3 +352,50 @@ def test_one_sgd_step_moves_logprobs_with_the_advantage(loss, sign):
         after, _ = chunked_token_logprobs(hidden, weight, targets, 3)
     change = (after - before.detach())[mask]
     assert (change * sign > 0).all(), change
+
+
+# dppo where the probability itself moves far: p, r (so p_old = p / r), A, loss, grad, low, high
+DPPO_REGION = [
+    (0.9, 3.0, 1.0, 0.0, 0.0, 0, 1),  # p_old 0.3 -> 0.9, A > 0: outside, masked
+    (0.9, 3.0, -1.0, 3 * LN(0.9), 3.0, 0, 0),  # the same move, A < 0: a push back, kept
+    (0.1, 0.2, -1.0, 0.0, 0.0, 1, 0),  # p_old 0.5 -> 0.1, A < 0: outside, masked
+    (0.1, 0.2, 1.0, -0.2 * LN(0.1), -0.2, 0, 0),  # A > 0 pushes it back up: kept
+]
+
+
+@pytest.mark.parametrize("p,r,adv,expected,grad,low,high", DPPO_REGION)
+def test_dppo_masks_tokens_whose_probability_left_the_region(p, r, adv, expected, grad, low,
+                                                             high):
+    logprobs, old, mask = single_token(r, logp=LN(p))
+    value, metrics = grpo_loss(logprobs, old, torch.tensor([adv]), mask, loss="dppo", **EPS)
+    value.backward()
+    assert value.item() == pytest.approx(expected, abs=1e-5)
+    assert logprobs.grad[0, 1].item() == pytest.approx(grad, abs=1e-5)
+    assert (metrics["clip_low_frac"], metrics["clip_high_frac"]) == (low, high)
+
+
+# tis: the trust region against the trainer's own logprob (ratio 1), the sampler mismatch r
+# weighted by w = min(r, cap): loss, r, A, logp, loss value, grad, weight truncated
+TIS = [
+    ("ppo", 1.5, 1.0, -2.0, -1.5, -1.5, 0),  # without tis ppo clips this token (grad 0)
+    ("ppo", 3.0, 1.0, -2.0, -2.0, -2.0, 1),  # w capped at 2
+    ("ppo", 0.5, -1.0, -2.0, 0.5, 0.5, 0),  # -(1 x -1) x 0.5
+    ("cispo", 1.5, 1.0, -2.0, 3.0, -1.5, 0),  # -A logp x w = 2 x 1.5
+    ("dppo", 3.0, 1.0, LN(0.9), -2 * LN(0.9), -2.0, 1),  # masked without tis; kept, w = 2
+    ("gspo", 1.5, -1.0, -2.0, 1.5, 1.5, 0),  # sequence ratio 1 against the trainer
+]
+
+
+@pytest.mark.parametrize("loss,r,adv,logp,expected,grad,capped", TIS)
+def test_truncated_importance_sampling(loss, r, adv, logp, expected, grad, capped):
+    logprobs, old, mask = single_token(r, logp=logp)
+    value, metrics = grpo_loss(logprobs, old, torch.tensor([adv]), mask, loss=loss,
+                               tis_cap=2.0, **EPS)
+    value.backward()
+    assert value.item() == pytest.approx(expected, abs=1e-5)
+    assert logprobs.grad[0, 1].item() == pytest.approx(grad, abs=1e-5)
+    assert metrics["tis_weight_mean"] == pytest.approx(min(r, 2.0), abs=1e-5)
+    assert metrics["tis_clip_frac"] == capped
+    assert metrics["clip_frac"] == 0  # nothing moved against the trainer's own policy
+    with pytest.raises(ValueError, match="tis_cap must be None or > 0"):
+        grpo_loss(logprobs, old, torch.tensor([adv]), mask, loss=loss, tis_cap=0.0, **EPS)

@@ -15,10 +15,12 @@ def trainer(tiny_models) -> Trainer:
     return Trainer(str(tiny_models["llama"]), LoraConfig(rank=4), device="cpu")
 
 
-def test_two_steps_change_every_lora_parameter(trainer):
+@pytest.mark.parametrize("loss", [{}, {"loss": "dppo"}, {"loss": "ppo", "tis_cap": 2.0}],
+                         ids=["cispo", "dppo", "ppo-tis"])
+def test_two_steps_change_every_lora_parameter(trainer, loss):
     before = lora_state(trainer)
     group = make_group(trainer.tokenizer)
-    config = TrainConfig(learning_rate=1e-2, bf16=False)
+    config = TrainConfig(learning_rate=1e-2, bf16=False, **loss)
     for _ in range(2):  # lora_B starts at zero, so lora_A gets no gradient on the first step
         metrics = trainer.step([group], config)
         assert metrics["trained_tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
