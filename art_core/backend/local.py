@@ -122,7 +122,7 @@ class LocalBackend:
         training *dedicated*: `train()` keeps serving while it trains (see the module
         docstring; `dedicated_training`). Not measured yet: no GPU host has run it."""
         if gateway is None:
-            from art_core.serve.guard import check_bind
+            from art_core.inference.guard import check_bind
 
             check_bind(host, api_key)  # before anything starts
         self.api_key, self._max_body_bytes = api_key, max_body_bytes
@@ -170,7 +170,7 @@ class LocalBackend:
 
     def _ensure_gateway(self) -> None:
         if self._server is None and not self._external_loop:
-            from art_core.serve.guard import DEFAULT_MAX_BODY_BYTES, guarded
+            from art_core.inference.guard import DEFAULT_MAX_BODY_BYTES, guarded
 
             app = guarded(self.gateway.app, host=self._host, api_key=self.api_key,
                           max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES)

@@ -40,8 +40,9 @@ The parts, one concern each:
     art_core/serve/app.py          the app, its routes and shutdown; the uvicorn server (`serve`)
     art_core/serve/models.py   register, latest step, checkpoint lists, deletion, downloads
     art_core/serve/jobs.py     training steps as jobs: TrainJob, its event relay, retries
-    art_core/serve/guard.py    API key, body size, last-resort errors (ASGI middleware)
-    art_core/serve/errors.py   ApiError and the JSON error shape
+    art_core/serve/errors.py   ApiError and validation messages
+    art_core/inference/guard.py  (below serve and backend, shared with LocalBackend's gateway):
+                               API key, body size, last-resort errors (ASGI middleware)
 """
 
 from __future__ import annotations
@@ -72,16 +73,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from art_core.backend.local import LocalBackend
 from art_core.inference.engine import EngineError
 from art_core.inference.gateway import Gateway
-from art_core.model import TrainableModel, validate_name
-from art_core.protocol import API_PREFIX
-from art_core.serve.errors import (
-    ApiError,
+from art_core.inference.guard import (
+    DEFAULT_MAX_BODY_BYTES,
     BodyTooLarge,
+    Guard,
+    check_bind,
     error_response,
     size_text,
-    validation_message,
 )
-from art_core.serve.guard import DEFAULT_MAX_BODY_BYTES, Guard, check_bind
+from art_core.model import TrainableModel, validate_name
+from art_core.protocol import API_PREFIX
+from art_core.serve.errors import ApiError, validation_message
 from art_core.serve.jobs import JOB_ID, TrainingJobs, TrainJob
 from art_core.serve.models import ModelOperations
 from art_core.storage import ModelDir

@@ -8,11 +8,7 @@ path or a traceback.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from art_core.protocol import error_body
 
 
 class ApiError(Exception):
@@ -22,27 +18,6 @@ class ApiError(Exception):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-
-
-class BodyTooLarge(StarletteHTTPException):
-    """Raised from `receive` when a streamed body passes the limit (FastAPI re-raises
-    HTTPExceptions untouched, so this reaches our handler as a 413)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than the server's limit of "
-                              f"{size_text(limit)} (art serve --max-body-mb)")
-
-
-def error_response(status: int, message: str, code: str | int | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None
-                   ) -> JSONResponse:
-    """The OpenAI error shape (`protocol.error_body`) as a response."""
-    return JSONResponse(error_body(status, message, code, param), status_code=status,
-                        headers=headers)
-
-
-def size_text(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def validation_message(e: ValidationError, where: str) -> str:

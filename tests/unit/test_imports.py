@@ -47,9 +47,9 @@ def test_import_is_light_and_fast():
     proc = _run(sys.executable, "-c", PROBE)
     assert proc.returncode == 0, proc.stderr
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    # what keeps the import fast is that nothing heavy is imported; its time (~0.2 s) is
+    # measured by benchmarks/import_time.py, not bounded here (shared machines stall)
     assert probe["heavy"] == [], f"import art_core pulled in {probe['heavy']}"
-    # typically ~0.2 s; the bound is loose for slow CI disks
-    assert probe["elapsed"] < 1.5, f"import art_core, art_core.cli took {probe['elapsed']:.2f} s"
 
 
 @pytest.mark.parametrize("package", ["art_core", "ruler", "art_langgraph", "art_mcp"])

@@ -12,6 +12,8 @@ naming an integration.
   light module uses a heavy part).
 - art_core never imports art_langgraph, art_mcp or ruler, nor names them in a string such as
   "art_mcp.cli" (they add their `art` commands through entry points).
+- The server sits on top: nothing in `art_core.backend` or `art_core.inference` imports
+  `art_core.serve`, not even lazily (what both need, such as the HTTP guard, lives below).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ LIGHT = ("art_core", "art_core.trajectory", "art_core.model", "art_core.config",
          "art_core.gather", "art_core.recording", "art_core.storage", "art_core.protocol",
          "art_core.host", "art_core.cli", "art_core.backend.remote",
          "art_core.pipeline", "art_core.sft", "art_core.sft.render",
-         "art_core.distill")
+         "art_core.distill", "art_core.sampling")
 HEAVY = ("art_core.inference", "art_core.serve", "art_core.train", "art_core.observe")
 INTEGRATIONS = ("art_langgraph", "art_mcp", "ruler")
+BELOW_SERVE = ("art_core.backend", "art_core.inference")
 
 
 def module_name(path: Path) -> str:
@@ -168,6 +171,15 @@ def test_the_light_core_never_reaches_a_heavy_room(light):
     assert not heavy, f"{light} imports heavy modules at module level: {chains}"
 
 
+def upward_into_serve(graph: dict[str, set[str]] = ALL) -> list[str]:
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith(BELOW_SERVE)
+                  for t in targets if t.startswith("art_core.serve"))
+
+
+def test_backend_and_inference_never_import_the_server():
+    assert upward_into_serve() == []
+
+
 MODULE_PATH = re.compile(r"\b(art_langgraph|art_mcp|ruler)[.:]\w")
 
 
@@ -203,3 +215,6 @@ def test_the_checks_catch_what_they_are_for(monkeypatch):
     monkeypatch.setitem(GRAPH, "art_core.protocol", GRAPH["art_core.protocol"]
                         | {"art_core.inference.gateway"})
     assert "art_core.inference.gateway" in reachable("art_core.trajectory")
+    monkeypatch.setitem(ALL, "art_core.backend.local", ALL["art_core.backend.local"]
+                        | {"art_core.serve.errors"})
+    assert upward_into_serve() == ["art_core.backend.local imports art_core.serve.errors"]

@@ -439,7 +439,7 @@ async def test_gateway_records_start_and_latency_of_each_call(tmp_path) -> None:
         await gw.aclose()
     data = r.json()
     assert r.status_code == 200, data
-    assert before <= data["art_started_at"] <= before + 0.1
+    assert before <= data["art_started_at"] <= after
     assert 0.2 <= data["art_latency_s"] <= after - before
     rec = gw.ledger["chatcmpl-1"]
     assert (rec["started_at"], rec["latency_s"]) == (data["art_started_at"], data["art_latency_s"])

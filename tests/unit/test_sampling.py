@@ -13,8 +13,8 @@ import pytest
 from art_core import Trajectory, TrajectoryGroup
 from art_core.loop import train_loop
 from art_core.model import TrainResult
-from art_core.storage import read_jsonl
 from art_core.sampling import gather_signal_groups, round_size, shuffled_passes
+from art_core.storage import read_jsonl
 
 ALIKE, MIXED = "alike", "mixed"  # a scenario's group scores all alike, or not
 

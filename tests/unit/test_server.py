@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -313,14 +312,12 @@ def test_json_errors_for_unknown_routes_and_methods(light):
 def test_non_loopback_bind_without_key_is_refused(tmp_path):
     root = tmp_path / "never"
     env = {k: v for k, v in os.environ.items() if k != "ART_API_KEY"}
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "art_core.cli", "serve", "--host", "0.0.0.0",
                            "--path", str(root), "--port", str(free_port())],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "refusing to listen on '0.0.0.0' without an API key" in proc.stderr
     assert "--api-key" in proc.stderr and "Traceback" not in proc.stderr
-    assert time.monotonic() - t0 < 15
     assert not root.exists()  # nothing started, nothing written
 
 
@@ -375,8 +372,6 @@ def test_register_policy_over_http(tmp_path):
 
 def test_sigterm_stops_an_idle_server_cleanly(tmp_path):
     server = start_server(tmp_path / "run")
-    t0 = time.monotonic()
     code = server.stop()
     assert code in (0, -signal.SIGTERM), server.log_tail()
-    assert time.monotonic() - t0 < 15
     assert "Traceback" not in server.log.read_text()

@@ -1,5 +1,6 @@
 """The guard in front of every route we serve over a socket (`art serve`, art_core/serve/app.py,
-and LocalBackend's gateway): API key, body size, last-resort errors.
+and LocalBackend's gateway): API key, body size, last-resort errors. It lives below both (the
+request path's room), so that the backend never imports the server.
 
 ARCHITECTURE invariant 8: with an API key every route but /health needs
 `Authorization: Bearer <key>` (compared in constant time); a body is capped (Content-Length
@@ -13,16 +14,38 @@ import hmac
 import logging
 import uuid
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from art_core.protocol import bind_refusal
-from art_core.serve.errors import BodyTooLarge, error_response
+from art_core.protocol import bind_refusal, error_body
 
 log = logging.getLogger("art_core.serve.app")
 
 PUBLIC_PATHS = frozenset({"/health"})
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a few hundred long agent trajectories; raise with --max-body-mb
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` when a streamed body passes the limit (FastAPI re-raises
+    HTTPExceptions untouched, so this reaches our handler as a 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than the server's limit of "
+                              f"{size_text(limit)} (art serve --max-body-mb)")
+
+
+def error_response(status: int, message: str, code: str | int | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    """The OpenAI error shape (`protocol.error_body`) as a response."""
+    return JSONResponse(error_body(status, message, code, param), status_code=status,
+                        headers=headers)
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def check_bind(host: str, api_key: str | None) -> None:
