@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from art_core.backend.orphans import Orphans, call_key
 from art_core.backend.trainers import Trainers
 from art_core.base_models import base_model_limits, resolve_base_model
 from art_core.config import SFTConfig, TrainConfig
@@ -140,6 +141,7 @@ class LocalBackend:
         self._model_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
         self._steps: set[asyncio.Task[Any]] = set()  # running steps, whoever awaits them
+        self._orphans = Orphans()  # steps whose caller was cancelled: a retry gets them
 
     @property
     def train_processes(self) -> int:
@@ -349,8 +351,16 @@ class LocalBackend:
         self._check_registered(model)
         check_sequence_lengths(groups, await asyncio.to_thread(self.sequence_limit, model,
                                                                 config))
+        def key() -> str:
+            return call_key("rl", model.project, model.name, config, groups)
+
+        # a retry of a call cancelled after its step started: that step, not a second one
+        orphan = self._orphans.claim(key)
+        if orphan is not None:
+            return await self._orphans.wait(orphan, key)
         lock = self._model_lock(model)
-        await acquire(lock)  # two trainers of one model: one after the other
+        await acquire(lock)  # two trainers of one model: one after the other; cancelled
+        # while waiting here, the step never starts
         if keep_serving is None:
             keep_serving = self.dedicated_training
         task = asyncio.ensure_future(self._step(lock, model, groups, config,
@@ -358,8 +368,9 @@ class LocalBackend:
                                                 keep_serving))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
-        # cancelling the caller does not cut the step in half: it finishes and frees the lock
-        return await asyncio.shield(task)
+        # cancelling the caller does not cut the step in half: it finishes, frees the lock,
+        # and a retry of the same call is answered with it (art_core/backend/orphans.py)
+        return await self._orphans.wait(task, key)
 
     async def train_sft(self, model: TrainableModel,
                         data: list[Trajectory | TrajectoryGroup] | str | Path,
@@ -376,14 +387,21 @@ class LocalBackend:
         self._check_registered(model)
         if self.train_processes > 1:
             raise ValueError("SFT trains in one process: use a backend with train_processes=1")
+        groups = [TrajectoryGroup(trajectories=examples)]
+
+        def key() -> str:
+            return call_key("sft", model.project, model.name, config, groups)
+
+        orphan = self._orphans.claim(key)
+        if orphan is not None:
+            return await self._orphans.wait(orphan, key)
         lock = self._model_lock(model)
         await acquire(lock)
         task = asyncio.ensure_future(self._step(
-            lock, model, [TrajectoryGroup(trajectories=examples)], config,
-            progress or (lambda event: None), request_id, False))
+            lock, model, groups, config, progress or (lambda event: None), request_id, False))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
-        return await asyncio.shield(task)
+        return await self._orphans.wait(task, key)
 
     async def _step(self, lock: threading.Lock, model: TrainableModel,
                     groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,

@@ -289,6 +289,31 @@ def test_a_killed_pipeline_loses_no_group_and_repeats_no_step(tiny_models, tmp_p
     assert pending is None and not set(b.id for b in pool) & set(flat)
 
 
+async def test_a_pipeline_cancelled_mid_step_and_run_again_trains_each_step_once(
+        tiny_models, tmp_path):
+    backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
+    try:
+        rollout = made_up_rollout(model, tokenizer(backend, model))
+        run = asyncio.ensure_future(pipeline(model, rollout, tmp_path / "pipe").run(3))
+        store = PipelineStore(tmp_path / "pipe")
+        while not [e for e in store.events() if e["event"] == "train"]:
+            await asyncio.sleep(0.01)  # step 1 asked for: its train() call is in flight
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        result = await pipeline(model, rollout, tmp_path / "pipe").run(2)
+        md = model_dir(backend, model)
+        steps = md.steps()
+        assert steps == list(range(steps[-1] + 1)) and steps[-1] >= 2
+        assert [r["step"] for r in md.read_history()] == steps[1:]
+        flat = [i for s in steps[1:] for i in journaled_ids(md, s)]
+        assert len(flat) == len(set(flat))  # no group trained twice
+        committed = [e["step"] for e in store.events() if e["event"] == "committed"]
+        assert sorted(committed) == steps[1:] and len(result.steps) >= 1
+    finally:
+        await backend.close()
+
+
 async def test_a_committed_request_id_is_answered_not_trained_again(tiny_models, tmp_path):
     backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
     try:

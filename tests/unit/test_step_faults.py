@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from art_core import (
+    SFTConfig,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -47,6 +48,8 @@ from tests.support.runs import (
     tokenizer,
 )
 from tests.support.server import KEY, snapshot, trajectory_json
+
+SFT = SFTConfig(learning_rate=1e-2, epochs=1, bf16=False)
 
 NAN = float("nan")
 
@@ -383,6 +386,63 @@ async def test_a_cancelled_train_neither_loses_its_step_nor_leaks_the_lock(
         await asyncio.wait_for(backend.close(), 60)
     assert md.steps() == list(range(later.step + 1))  # nothing else trained after
     assert journal_files(md) == [f"{s:04d}.jsonl" for s in range(1, later.step + 1)]
+
+
+@pytest.mark.parametrize("kind", ["rl", "sft"])
+async def test_a_retry_of_a_call_cancelled_mid_step_is_answered_not_trained_again(
+        tiny_models, tmp_path, kind):
+    backend, model = await make_backend(tmp_path / "run", tiny_models["llama"])
+    md = model_dir(backend, model)
+    started = asyncio.Event()
+
+    def progress(event: dict[str, Any]) -> None:
+        if event["phase"] == "journaled":
+            started.set()
+
+    def call(step: int, **kw: Any) -> Any:
+        groups = groups_for(backend, model, step)
+        if kind == "sft":
+            return backend.train_sft(model, [t for g in groups for t in g], SFT, **kw)
+        return backend.train(model, groups, CONFIG, **kw)
+
+    try:
+        first = asyncio.ensure_future(call(0, progress=progress))
+        await asyncio.wait_for(started.wait(), 30)
+        first.cancel()  # as asyncio.wait_for would on a timeout
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = await asyncio.wait_for(call(0), 60)  # the same call again
+        again = await asyncio.wait_for(call(0), 60)  # an ordinary call after it: trains
+        other = await asyncio.wait_for(call(1), 60)
+        assert (retry.step, again.step, other.step) == (1, 2, 3)
+        assert md.steps() == [0, 1, 2, 3]
+        assert [f for f in journal_files(md) if f.endswith(".jsonl")] == \
+            ["0001.jsonl", "0002.jsonl", "0003.jsonl"]
+    finally:
+        await asyncio.wait_for(backend.close(), 60)
+
+
+async def test_a_retry_of_a_call_whose_step_failed_trains_anew(tiny_models, tmp_path):
+    from art_core.backend.orphans import Orphans
+
+    orphans, key = Orphans(), (lambda: "k")
+
+    async def fails() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("the step failed")
+
+    task = asyncio.ensure_future(fails())
+    waiter = asyncio.ensure_future(orphans.wait(task, key))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert orphans.claim(key) is task  # remembered while it runs
+    orphans._remember("k", task)
+    with pytest.raises(RuntimeError):
+        await task
+    await asyncio.sleep(0)
+    assert orphans.claim(key) is None  # forgotten once it failed: a retry trains anew
 
 
 # ---- 7. unregistered models ------------------------------------------------------------------
