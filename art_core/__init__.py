@@ -17,6 +17,7 @@ from art_core.gather import GatherError, gather_trajectories, gather_trajectory_
 from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
 from art_core.pipeline import PipelineResult, PipelineTrainer
 from art_core.recording import MessageRecorder, Recorder, ToolEvent, current_recorder, recording
+from art_core.sampling import SignalGroups, gather_signal_groups, shuffled_passes
 from art_core.trajectory import (
     History,
     RolloutError,
@@ -65,6 +66,7 @@ __all__ = [
     "RolloutError",
     "SFTConfig",
     "SampledTurn",
+    "SignalGroups",
     "TrainConfig",
     "TrainResult",
     "ToolEvent",
@@ -73,9 +75,11 @@ __all__ = [
     "TrajectoryGroup",
     "current_recorder",
     "distill",
+    "gather_signal_groups",
     "gather_trajectories",
     "gather_trajectory_groups",
     "read_groups_jsonl",
     "recording",
+    "shuffled_passes",
     "write_groups_jsonl",
 ]
