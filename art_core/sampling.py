@@ -19,7 +19,9 @@ a hard task most groups are like that (the demo measured 5 of 6 per step). DAPO 
    (`skipped`), as are groups `after_each` dropped.
 4. Stop as soon as `n` groups with signal are found; the first `n` in draw order are kept (any
    more from the last round are counted as `surplus`), or when the budget or the scenarios run
-   out: then a warning says so and the step trains on the groups with signal it has.
+   out: then a warning says so and the step trains on the groups with signal it has. (Many
+   such warnings in a row mean the task is too easy or too hard for the model: raise the
+   budget, or change the task's difficulty.)
 
 `SignalGroups.metrics()` reports what the step cost: groups drawn, groups with signal, budget
 used, the reward over everything sampled (the trained groups alone are biased towards 0.5).
@@ -160,8 +162,7 @@ async def gather_signal_groups(
                 out.groups.append(group)
     if not out.complete:
         why = "the scenarios ran out" if exhausted else "the budget ran out"
-        log.warning("%s: %d of %d groups with signal after drawing %d (max_groups=%d): %s; the "
-                    "step trains on those it has. A task the model always or never solves "
-                    "gives no signal: raise max_groups, or change the task's difficulty.",
-                    description, len(out.groups), n_groups, out.drawn, max_groups, why)
+        log.warning("%s: %d of %d groups with signal after drawing %d (max_groups=%d): %s; "
+                    "training on those", description, len(out.groups), n_groups, out.drawn,
+                    max_groups, why)
     return out
