@@ -61,6 +61,26 @@ from art_core.trajectory import (
 log = logging.getLogger(__name__)
 
 RETRYABLE = (OSError, EngineError, TimeoutError, RetryableStepError)
+
+DRIFT_WARN = 0.08
+"""`sampler_trainer_prob_diff` above which a step warns that the policy the engine served is not
+the one the trainer holds: 0.008-0.03 is normal on SmolLM2 (numerics); a served adapter that
+never loaded, or logprobs of a grammar-masked distribution, measured 0.11 and more."""
+
+
+def check_served_policy(metrics: dict[str, float], served_step: int, name: str) -> None:
+    """Warn, naming the step, when the turns a step trains were sampled wholly by the policy
+    it starts from and yet their logprobs disagree with the trainer's beyond `DRIFT_WARN`:
+    what vLLM served as that step was not what was trained (a stale or missing adapter)."""
+    drift = metrics.get("sampler_trainer_prob_diff")
+    if drift is None or metrics.get("frac_turns_off_policy", 0.0) > 0:
+        return  # older policies sampled some turns: a difference is expected there
+    metrics["served_policy_drift_warning"] = float(drift > DRIFT_WARN)
+    if drift > DRIFT_WARN:
+        log.warning("%s: the turns sampled by step %d disagree with the trainer's step %d "
+                    "(sampler_trainer_prob_diff %.3f > %.2f): the engine may not have served "
+                    "checkpoint %d as trained (an adapter that did not load, a stale one)",
+                    name, served_step, served_step, drift, DRIFT_WARN, served_step)
 """Failures a retry of the same step can get past (the journal stays for a replay)."""
 
 
@@ -425,6 +445,7 @@ class LocalBackend:
                                                   emit, keep_serving)
             if sft is None:
                 metrics.update(off_policy_metrics(groups, step - 1))
+                check_served_policy(metrics, step - 1, f"{model.project}/{model.name}")
             kind = "rl" if sft is None else "sft"
             try:
                 await asyncio.to_thread(md.append_history, {"step": step, "kind": kind,

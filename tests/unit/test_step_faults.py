@@ -467,3 +467,21 @@ async def test_an_unregistered_model_is_refused_and_nothing_is_created(
         await backend.close()
 
 
+
+
+# ---- 8. a served policy that is not the trained one ------------------------------------------
+
+@pytest.mark.parametrize(("drift", "off_policy", "warned"), [
+    (0.02, 0.0, False),  # numerics: normal
+    (0.30, 0.0, True),  # on-policy turns far from the trainer: the engine served something else
+    (0.30, 0.5, False),  # older policies sampled some turns: a difference is expected
+])
+def test_a_step_warns_when_the_served_policy_was_not_the_trained_one(caplog, drift, off_policy,
+                                                                     warned):
+    from art_core.backend.local import check_served_policy
+
+    metrics = {"sampler_trainer_prob_diff": drift, "frac_turns_off_policy": off_policy}
+    with caplog.at_level("WARNING", logger="art_core.backend.local"):
+        check_served_policy(metrics, 4, "demo/agent")
+    assert bool([r for r in caplog.records if "step 4" in r.message]) == warned
+    assert metrics.get("served_policy_drift_warning", 0.0) == float(warned)
