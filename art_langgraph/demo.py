@@ -223,10 +223,11 @@ def show_episode(label: str, example: dict[str, Any]) -> str:
 
 async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, learning_rate: float = 1e-3, eval_samples: int = 2,
-              fresh: bool = False, seed: int = 0,
-              oversample: float = DEFAULT_BUDGET) -> dict[str, EvalStats]:
+              fresh: bool = False, seed: int = 0, oversample: float = DEFAULT_BUDGET,
+              train_config: TrainConfig | None = None) -> dict[str, EvalStats]:
     """Evaluate, train `steps` more steps, evaluate again (`art_core.loop.train_loop`);
-    returns the two evaluations."""
+    returns the two evaluations. `train_config` (default: TrainConfig(learning_rate)) lets a
+    benchmark try other losses (benchmarks/demo_variants.py)."""
     async with LocalBackend(path) as backend:
         model = TrainableModel(name="agent", project="demo")
         model_dir = Path(path) / model.project / "models" / model.name
@@ -255,7 +256,8 @@ async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
         loop = await train_loop(
             model, lambda q: episode(graph, q), questions(TRAIN_COUNTRIES), held_out, model_dir,
             steps=steps, groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
-            eval_rollouts=eval_samples, train_config=TrainConfig(learning_rate=learning_rate),
+            eval_rollouts=eval_samples,
+            train_config=train_config or TrainConfig(learning_rate=learning_rate),
             seed=seed, oversample=oversample, on_step=step_line)
         first, last = min(loop.evals), loop.after.step
         print()
