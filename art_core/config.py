@@ -101,6 +101,12 @@ class EngineConfig(_Strict):
         "(unbiased): rounded to nearest, W + BA dropped every update under half a bf16 step "
         "of W, and the demo learned 46% -> 54% held-out, against 40% -> 56% and 38% -> 88% "
         "(stochastic) and 46% -> 71% (float32)."))
+    policy_check_tolerance: float | None = Field(0.1, gt=0, description=(
+        "The served-policy check at every publish (art_core/inference/policy_check.py): the "
+        "largest mean |logprob difference| between what vLLM serves under a step's name and "
+        "what the trainer trained, over a fixed ~40-token probe, before the publish fails and "
+        "the previous step keeps serving. Numerics alone differ by ~0.01-0.03 on SmolLM2 "
+        "(float32 and bf16); a wrong or unloaded adapter by more. None: no check."))
     extra_args: list[str] = Field(default_factory=list, description=(
         "Extra command-line arguments passed to vLLM's server as they are."))
 
@@ -113,7 +119,7 @@ class EngineConfig(_Strict):
                 if name not in RUNTIME_ONLY and getattr(self, name) != getattr(running, name)]
 
 
-RUNTIME_ONLY = frozenset({"startup_timeout_s"})
+RUNTIME_ONLY = frozenset({"startup_timeout_s", "policy_check_tolerance"})
 """EngineConfig fields that do not shape a running engine (a model may differ in them)."""
 
 

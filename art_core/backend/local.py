@@ -45,6 +45,7 @@ from art_core.failpoints import failpoint
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.gateway import Gateway
 from art_core.inference.gateway_server import GatewayServer
+from art_core.inference.policy_check import PolicyMismatch
 from art_core.model import Endpoint, TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
@@ -253,7 +254,8 @@ class LocalBackend:
             checkpoints = {s: md.checkpoint(s) for s in md.steps()}
             await self._on_gateway(lambda: self.gateway.publish(
                 model.name, engine, step, md.checkpoint(step), project=model.project,
-                checkpoints=checkpoints))
+                checkpoints=checkpoints,
+                tolerance=model.config.engine.policy_check_tolerance))
         except BaseException:
             if (model.project, model.name) not in self._registered:
                 await self._on_gateway(lambda: self.gateway.forget_model(model.name))
@@ -441,8 +443,8 @@ class LocalBackend:
             await asyncio.to_thread(md.journal_groups, step, groups, sft)
             failpoint("journaled", step)
             emit({"phase": "journaled", "step": step, "groups": len(groups)})
-            metrics = await self._train_published(model, groups, config, step, request_id,
-                                                  emit, keep_serving)
+            metrics, mismatch = await self._train_published(model, groups, config, step,
+                                                            request_id, emit, keep_serving)
             if sft is None:
                 metrics.update(off_policy_metrics(groups, step - 1))
                 check_served_policy(metrics, step - 1, f"{model.project}/{model.name}")
@@ -456,6 +458,8 @@ class LocalBackend:
             self.loggers.log_step(StepRecord(
                 model.project, model.name, step, SPLIT_TRAIN, {**group_metrics(groups), **metrics},
                 groups, model.base_model, md.checkpoint(step)))
+            if mismatch is not None:  # committed and recorded, but not what is served
+                raise mismatch
             emit({"phase": "done", "step": step, "metrics": metrics})
             return TrainResult(step=step, metrics=metrics)
         finally:
@@ -464,9 +468,11 @@ class LocalBackend:
     async def _train_published(self, model: TrainableModel, groups: list[TrajectoryGroup],
                                config: TrainConfig | SFTConfig, step: int, request_id: str | None,
                                emit: Callable[[dict[str, Any]], None],
-                               keep_serving: bool = False) -> dict[str, float]:
+                               keep_serving: bool = False
+                               ) -> tuple[dict[str, float], PolicyMismatch | None]:
         """Steps 2-7 of the module docstring, with the gate closed (with `keep_serving`, only
-        around the swap); the step's metrics."""
+        around the swap); the step's metrics, and the served-policy check's failure if the
+        publish failed it (the step is committed; the previous one keeps serving)."""
         md = self._dir(model)
         engine = self._engines[model.base_model]
         asleep = paused = False
@@ -502,15 +508,21 @@ class LocalBackend:
                     log.warning("vLLM did not wake after step %d (%s); it serves again after "
                                 "its restart", step, str(e).splitlines()[0])
             # committed: a publish that fails (the engine restarting) loads it on demand later
-            await self._on_gateway(
-                lambda: self.gateway.publish(model.name, engine, step, md.checkpoint(step),
-                                             project=model.project))
+            mismatch = None
+            try:
+                metrics.update(await self._on_gateway(
+                    lambda: self.gateway.publish(
+                        model.name, engine, step, md.checkpoint(step), project=model.project,
+                        tolerance=model.config.engine.policy_check_tolerance)) or {})
+            except PolicyMismatch as e:
+                metrics.update(e.metrics, policy_mismatch=1.0)
+                mismatch = e
             # from the end of the optimizer step until the new adapter serves requests
             metrics["publish_seconds"] = time.perf_counter() - t_publish
             metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
             failpoint("published", step)
             emit({"phase": "published", "step": step})
-            return metrics
+            return metrics, mismatch
         finally:
             if asleep:
                 with contextlib.suppress(EngineError):

@@ -165,6 +165,7 @@ class Trainers:
             tmp = md.temp_checkpoint(step)
             trainer.save_adapter(tmp)
             trainer.save_optimizer(tmp / "optimizer.safetensors", checkpoint=step)
+            trainer.save_probe(tmp)  # what this step says, for the served-policy check
             metrics["save_seconds"] = time.perf_counter() - t0
             md.commit_checkpoint(tmp, step, {"kind": kind, "request_id": request_id,
                                              "metrics": metrics})

@@ -385,6 +385,24 @@ class VLLMEngine:
             raise EngineError(f"{name} is not loaded")
         return self._mw.deltas[name]
 
+    def prompt_logprobs(self, name: str, token_ids: list[int]) -> list[float]:
+        """vLLM's logprob of each of `token_ids` after the first, given the ones before it,
+        under adapter `name` as it is served now (the served-policy check). Straight to vLLM,
+        not through the gateway's gate, one request alone."""
+        out = self._post("/v1/completions", {
+            "model": self.upstream_name(name), "prompt": token_ids, "max_tokens": 1,
+            "prompt_logprobs": 0})  # raw (temperature 1) logprobs, as the trainer's
+        positions = ((out.get("choices") or [{}])[0].get("prompt_logprobs")
+                     or out.get("prompt_logprobs") or [])
+        if len(positions) != len(token_ids):
+            raise EngineError(f"vLLM gave prompt logprobs for {len(positions)} of "
+                              f"{len(token_ids)} probe tokens")
+        values = []
+        for position, token in zip(positions[1:], token_ids[1:], strict=True):
+            entry = (position or {}).get(str(token)) or {}
+            values.append(max(float(entry.get("logprob", -9999.0)), -9999.0))
+        return values
+
     def load_base(self) -> None:
         """With merged weights, load the base model's delta LoRA (-B_n A_n) if it is not."""
         self.wait_ready()

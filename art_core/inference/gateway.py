@@ -28,6 +28,7 @@ so that user code which blocks its own loop (a sync LangGraph `invoke`) cannot s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from art_core.inference.completions import GatewayError, completion, openai_error
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.ledger import Ledger
+from art_core.inference.policy_check import PolicyMismatch, check_served
 from art_core.inference.splice import Splicer
 from art_core.inference.upstream import RETRY_AFTER_S
 from art_core.protocol import LEDGER_PATH
@@ -59,6 +61,8 @@ class ServedModel:
     project: str = "default"
     checkpoints: dict[int, Path] = field(default_factory=dict)
     latest: int = 0
+    policy_error: str | None = None  # the last publish failed the served-policy check
+    policy_tolerance: float | None = 0.1  # EngineConfig.policy_check_tolerance of the model
     keep_loaded: int = 3
 
 
@@ -116,14 +120,22 @@ class Gateway:
 
     async def publish(self, name: str, engine: VLLMEngine, step: int, path: Path,
                       project: str | None = None,
-                      checkpoints: dict[int, Path] | None = None) -> None:
-        """Make checkpoint `step` of model `name` what "<name>" serves, and load it. For a
-        model served before, a load that fails (the engine restarting) is logged and left to
-        the next request, which loads it on demand; for a new model it raises."""
+                      checkpoints: dict[int, Path] | None = None,
+                      tolerance: float | None = 0.1) -> dict[str, float]:
+        """Make checkpoint `step` of model `name` what "<name>" serves, and load it; the
+        served-policy check's metrics. For a model served before, a load that fails (the engine
+        restarting) is logged and left to the next request, which loads it on demand; for a new
+        model it raises. What vLLM serves once loaded is checked against the trainer's probe
+        before the name is published (art_core/inference/policy_check.py), within `tolerance`
+        (the model's EngineConfig.policy_check_tolerance; None: unchecked): on a mismatch the
+        previous step keeps serving and `PolicyMismatch` is raised."""
         new = name not in self.models
         served = self.models.setdefault(name, ServedModel(name, engine, project or "default"))
+        served.policy_tolerance = tolerance
+        previous = None if new else served.latest
         served.checkpoints.update(checkpoints or {})
         served.checkpoints[step] = Path(path)
+        metrics: dict[str, float] = {}
         try:
             await asyncio.to_thread(engine.load_adapter, f"{name}@{step}", path, latest=True)
         except EngineError as e:
@@ -131,10 +143,42 @@ class Gateway:
                 raise
             log.warning("%s@%d is committed but not loaded yet (%s); it loads on the next "
                         "request", name, step, str(e).splitlines()[0])
+        else:
+            metrics = await self._check_policy(served, step, previous)
         served.latest = max(served.checkpoints)
         await asyncio.to_thread(self._unload_old, served)
         if new and engine.config.splice_turns:  # the template check, warned once (splice.py)
             await self.splicer.prepare(engine)
+        return metrics
+
+    async def _check_policy(self, served: ServedModel, step: int,
+                            previous: int | None) -> dict[str, float]:
+        """The served-policy check of `name@step` just loaded; on a mismatch, put the previous
+        step back (re-merged if the merge replaced it), forget `step`, and raise."""
+        tolerance = served.policy_tolerance
+        if tolerance is None:
+            return {}
+        name = f"{served.name}@{step}"
+        try:
+            metrics = await asyncio.to_thread(check_served, served.engine, name,
+                                              served.checkpoints[step], tolerance)
+        except (EngineError, ValueError, OSError) as e:  # could not ask: not a mismatch
+            log.warning("%s: the served-policy check could not run (%s)", name,
+                        str(e).splitlines()[0])
+            return {"policy_checked": 0.0}
+        except PolicyMismatch as e:
+            log.error("%s", e)
+            served.policy_error = str(e)
+            served.checkpoints.pop(step, None)
+            engine = served.engine
+            with contextlib.suppress(EngineError):
+                if previous is not None and engine.serve_merged and engine.merged == name:
+                    await asyncio.to_thread(engine.load_adapter, f"{served.name}@{previous}",
+                                            served.checkpoints[previous], latest=True)
+                await asyncio.to_thread(engine.unload_adapter, name)
+            raise
+        served.policy_error = None
+        return metrics
 
     async def forget_checkpoints(self, name: str, steps: list[int]) -> None:
         """Stop serving `steps` of `name` (before their directories are deleted)."""
@@ -287,6 +331,10 @@ class Gateway:
             out["unservable"] = unservable
             if unservable:
                 out["status"] = "degraded"
+        mismatched = {m.name: m.policy_error for m in self.models.values() if m.policy_error}
+        if mismatched:  # the last publish served something other than what was trained
+            out["policy_mismatch"] = mismatched
+            out["status"] = "degraded"
         return out
 
     def _add_routes(self, app: FastAPI) -> None:

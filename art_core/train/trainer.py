@@ -82,6 +82,14 @@ class Trainer:
         """A standard peft adapter directory (adapter_config.json + safetensors)."""
         self.model.save_pretrained(out_dir, safe_serialization=True)
 
+    def save_probe(self, out_dir: Path) -> None:
+        """The served-policy check's manifest (art_core/train/probe.py): the probe's token ids
+        and this adapter's logprobs of them, in `out_dir/probe.json`."""
+        from art_core.train.probe import probe_logprobs, probe_token_ids, write_probe
+
+        ids = probe_token_ids(self.tokenizer)
+        write_probe(out_dir, ids, probe_logprobs(self.model, ids, self.device))
+
     def load_adapter(self, adapter_dir: Path) -> None:
         from peft import set_peft_model_state_dict
 

@@ -56,6 +56,9 @@ class StubEngine:
     def unload_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)
 
+    def prompt_logprobs(self, name: str, token_ids: list[int]) -> list[float] | None:
+        return None  # no model behind it: the served-policy check is skipped
+
 
 async def make_backend(root: Path, base: Path, name: str = "agent", project: str = "demo",
                        loggers: list[Logger] | None = None) -> tuple[LocalBackend, TrainableModel]:
