@@ -81,6 +81,7 @@ from art_core.inference.guard import (
     error_response,
     size_text,
 )
+from art_core.inference.policy_check import PolicyMismatch
 from art_core.model import TrainableModel, validate_name
 from art_core.protocol import API_PREFIX
 from art_core.serve.errors import ApiError, validation_message
@@ -232,6 +233,8 @@ class ArtServer(ModelOperations, TrainingJobs):
             return ApiError(507, f"{what}: the server could not write the step to its disk: "
                             f"{e.strerror or e}{where}. Nothing was committed; free space (or "
                             "fix the directory) and send the step again", "insufficient_storage")
+        if isinstance(e, PolicyMismatch):  # committed, not published: the client must know
+            return ApiError(500, f"{what}: {self._scrub(str(e))}", "policy_mismatch")
         error_id = uuid.uuid4().hex[:12]
         log.error("%s failed (error id %s)", what, error_id, exc_info=e)
         if isinstance(e, EngineError):

@@ -485,3 +485,14 @@ async def test_a_committed_step_completes_when_the_engine_fails_to_wake(tiny_mod
         assert backend.gateway.models[model.name].latest == 1
     finally:
         await backend.close()
+
+
+def test_a_policy_mismatch_reaches_the_client_by_name(tmp_path):
+    from art_core.inference.policy_check import PolicyMismatch
+    from art_core.serve.app import ArtServer
+
+    srv = ArtServer(tmp_path / "run")
+    err = srv._client_error(PolicyMismatch("agent@3: what vLLM serves does not match what the "
+                                           "trainer trained", {}), "training proj/m")
+    assert (err.status, err.code) == (500, "policy_mismatch")
+    assert "agent@3: what vLLM serves does not match" in err.message
