@@ -120,6 +120,7 @@ class Trainers:
         trainer = self.get(model)
         tmp = md.temp_checkpoint(0)
         trainer.save_adapter(tmp)
+        trainer.save_probe(tmp)  # registration checks that vLLM serves the base as trained
         md.commit_checkpoint(tmp, 0, {"kind": "init", "request_id": None, "metrics": {}})
         if self.train_processes > 1:  # the ranks load their own; free its memory
             self.drop(model)
