@@ -9,7 +9,7 @@ demo: setup
 
 test:
 	@bash scripts/setup.sh --dev
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=30
 	.venv/bin/mkdocs build --strict --quiet -d .venv/site
 
 # the fast set: no vLLM engine, no extra processes (tests/unit, without the `slow` ones)
