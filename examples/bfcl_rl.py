@@ -78,6 +78,7 @@ class Settings:
     learning_rate: float = 1e-3
     seed: int = 0
     held_out: dict[str, int] = field(default_factory=lambda: dict(HELD_OUT))
+    oversample: float = 3.0  # dynamic sampling: items drawn per step, at most, per item trained
 
 
 async def attempt(model: TrainableModel, worker: BfclWorker, task: Task) -> Trajectory:
@@ -153,7 +154,7 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                 steps=s.steps, groups_per_step=s.groups_per_step,
                 rollouts_per_group=s.rollouts_per_group, eval_rollouts=1,
                 train_config=TrainConfig(learning_rate=s.learning_rate), seed=s.seed,
-                max_concurrency=16, on_step=step_line)
+                max_concurrency=16, oversample=s.oversample, on_step=step_line)
             first, last = min(loop.evals), loop.after.step
             before = summarize(held_out_results(run_dir, first))
             after = summarize(held_out_results(run_dir, last))
@@ -173,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts-per-group", type=int, default=d.rollouts_per_group)
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--seed", type=int, default=d.seed, help="of the split and the steps' draws")
+    p.add_argument("--oversample", type=float, default=d.oversample,
+                   help="dynamic sampling: items drawn per step, at most, as a multiple of "
+                        "--groups-per-step, while items whose attempts all pass or all fail are "
+                        "replaced; 1 trains the first draw (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
-                                     a.learning_rate, a.seed), a.fresh))
+                                     a.learning_rate, a.seed, oversample=a.oversample),
+                    a.fresh))
     return 0
 
 
