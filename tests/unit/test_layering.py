@@ -30,7 +30,7 @@ LIGHT = ("art_core", "art_core.trajectory", "art_core.model", "art_core.config",
          "art_core.gather", "art_core.recording", "art_core.storage", "art_core.protocol",
          "art_core.host", "art_core.cli", "art_core.backend.remote",
          "art_core.pipeline", "art_core.sft", "art_core.sft.render",
-         "art_core.distill", "art_core.sampling")
+         "art_core.distill", "art_core.sampling", "art_core.env")
 HEAVY = ("art_core.inference", "art_core.serve", "art_core.train", "art_core.observe")
 INTEGRATIONS = ("art_langgraph", "art_mcp", "ruler")
 BELOW_SERVE = ("art_core.backend", "art_core.inference")
