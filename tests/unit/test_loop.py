@@ -9,7 +9,7 @@ import pytest
 
 from art_core import Trajectory, TrajectoryGroup
 from art_core.loop import EvalStats, Rate, load_eval_groups, train_loop
-from art_core.model import TrainResult
+from tests.support.counting import CountingModel
 
 
 def traj(reward: float, **metrics: Any) -> Trajectory:
@@ -35,21 +35,6 @@ def test_stats_count_boolean_metrics_as_rates_and_average_the_rest():
     (0, 48, 0.0, 0.074), (24, 48, 0.364, 0.636), (48, 48, 0.926, 1.0), (3, 10, 0.108, 0.603)])
 def test_rate_interval_is_wilson(k, n, lo, hi):
     assert Rate(k, n).ci == pytest.approx((lo, hi), abs=1e-3)
-
-
-class CountingModel:
-    """Stands in for a TrainableModel: counts steps, keeps what it was asked to train."""
-
-    def __init__(self, step: int = 0) -> None:
-        self.step, self.trained = step, []
-
-    async def get_step(self) -> int:
-        return self.step
-
-    async def train(self, groups: list[TrajectoryGroup], config: Any = None) -> TrainResult:
-        self.step += 1
-        self.trained.append([g.trajectories[0].metadata["scenario"] for g in groups])
-        return TrainResult(step=self.step, metrics={"reward_mean": 0.5, "loss": 0.1})
 
 
 async def run(model: CountingModel, run_dir, evaluated: list, steps: int = 2, **kw: Any):

@@ -12,9 +12,9 @@ import pytest
 
 from art_core import Trajectory, TrajectoryGroup
 from art_core.loop import train_loop
-from art_core.model import TrainResult
 from art_core.sampling import gather_signal_groups, round_size, shuffled_passes
 from art_core.storage import read_jsonl
+from tests.support.counting import CountingModel
 
 ALIKE, MIXED = "alike", "mixed"  # a scenario's group scores all alike, or not
 
@@ -126,21 +126,6 @@ def test_shuffled_passes_visit_each_once_per_pass_and_resume_at_an_offset():
 
 
 # ---- the loop ----------------------------------------------------------------------------------
-
-
-class CountingModel:
-    """Stands in for a TrainableModel: counts steps, keeps the scenarios of what it trained."""
-
-    def __init__(self) -> None:
-        self.step, self.trained = 0, []
-
-    async def get_step(self) -> int:
-        return self.step
-
-    async def train(self, groups: list[TrajectoryGroup], config: Any = None) -> TrainResult:
-        self.step += 1
-        self.trained.append([g.trajectories[0].metadata["scenario"] for g in groups])
-        return TrainResult(step=self.step, metrics={"reward_mean": 0.5, "loss": 0.1})
 
 
 async def loop(model: CountingModel, run_dir, steps: int, **kw: Any):
