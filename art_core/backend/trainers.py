@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from art_core.storage import ModelDir
 from art_core.trajectory import TrajectoryGroup
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -51,6 +53,16 @@ def torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def save_probe(trainer: Any, checkpoint: Path, step: int) -> None:
+    """The served-policy check's manifest (art_core/train/probe.py). Never fails the step: a
+    checkpoint without it is published unchecked (metric `policy_checked` 0)."""
+    try:
+        trainer.save_probe(checkpoint)
+    except Exception as e:
+        log.warning("step %d: no served-policy probe (%s: %s); it is published unchecked",
+                    step, type(e).__name__, e)
 
 
 def free_memory() -> None:
@@ -120,7 +132,7 @@ class Trainers:
         trainer = self.get(model)
         tmp = md.temp_checkpoint(0)
         trainer.save_adapter(tmp)
-        trainer.save_probe(tmp)  # registration checks that vLLM serves the base as trained
+        save_probe(trainer, tmp, 0)  # registration checks that vLLM serves the base as trained
         md.commit_checkpoint(tmp, 0, {"kind": "init", "request_id": None, "metrics": {}})
         if self.train_processes > 1:  # the ranks load their own; free its memory
             self.drop(model)
@@ -166,7 +178,7 @@ class Trainers:
             tmp = md.temp_checkpoint(step)
             trainer.save_adapter(tmp)
             trainer.save_optimizer(tmp / "optimizer.safetensors", checkpoint=step)
-            trainer.save_probe(tmp)  # what this step says, for the served-policy check
+            save_probe(trainer, tmp, step)  # what this step says, for the served-policy check
             metrics["save_seconds"] = time.perf_counter() - t0
             md.commit_checkpoint(tmp, step, {"kind": kind, "request_id": request_id,
                                              "metrics": metrics})

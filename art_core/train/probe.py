@@ -29,12 +29,17 @@ forward pass of a few dozen tokens (measured: ~40 tokens for SmolLM2's template)
 
 
 def probe_token_ids(tokenizer: Any) -> list[int]:
-    """The probe's token ids: PROBE_MESSAGES through the chat template (plain text joined by
-    newlines for a tokenizer without one, e.g. a bare test model's)."""
+    """The probe's token ids: PROBE_MESSAGES through the chat template (without the system
+    message for a template that refuses one; plain text joined by newlines for a tokenizer
+    without a template, e.g. a bare test model's)."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(list(PROBE_MESSAGES), tokenize=True,
-                                            return_dict=True)
-        return [int(i) for i in out["input_ids"]]
+        for messages in (PROBE_MESSAGES, PROBE_MESSAGES[1:]):
+            try:
+                out = tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                                    return_dict=True)
+                return [int(i) for i in out["input_ids"]]
+            except Exception:  # a template that raises on a system turn (Gemma 2's)
+                continue
     text = "\n".join(m["content"] for m in PROBE_MESSAGES)
     return [int(i) for i in tokenizer(text)["input_ids"]]
 
