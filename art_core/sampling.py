@@ -160,7 +160,7 @@ async def gather_signal_groups(
                 out.surplus += 1
             else:
                 out.groups.append(group)
-    if not out.complete:
+    if not out.complete and (exhausted or max_groups > n_groups):  # (no budget: nothing asked)
         why = "the scenarios ran out" if exhausted else "the budget ran out"
         log.warning("%s: %d of %d groups with signal after drawing %d (max_groups=%d): %s; "
                     "training on those", description, len(out.groups), n_groups, out.drawn,

@@ -168,3 +168,11 @@ async def test_the_loop_without_dynamic_sampling_trains_what_it_drew(tmp_path):
     assert len(model.trained[0]) == 2 and "sampling_groups_drawn" not in result.steps[0]
     with pytest.raises(ValueError, match="oversample must be None or a number >= 1"):
         await loop(model, tmp_path, steps=1, oversample=0.5)
+
+
+async def test_no_budget_means_no_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="art_core.sampling"):
+        out = await gather_signal_groups(make_group, stream("AAA"), 3, max_groups=3,
+                                         show_progress=False)
+    assert (len(out.groups), len(out.skipped), out.rounds) == (0, 3, 1)
+    assert not caplog.records  # oversample 1 asked for no replacement: nothing to warn about
