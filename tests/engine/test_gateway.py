@@ -41,6 +41,7 @@ async def smol(backend, smollm2_path):
 def random_adapter(src: Path, dst: Path, seed: int = 1, scale: float = 0.5) -> Path:
     """A copy of a (zero) step-0 adapter whose B matrices are random: it changes outputs."""
     shutil.copytree(src, dst)
+    (dst / "probe.json").unlink(missing_ok=True)  # step 0's manifest: not this adapter's
     f = dst / "adapter_model.safetensors"
     state = load_file(str(f))
     g = torch.Generator().manual_seed(seed)
