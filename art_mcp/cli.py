@@ -7,6 +7,11 @@ Without `--reward`, RULER scores each group (`--judge`: a litellm model, or `emb
 untrained copy of the base model on the same engine). Without `--scenarios`, `--generator`
 writes them from the tool list. A second run on the same `--path` and `--name` continues.
 (`art autorl` is here too: `autorl_main`, below.)
+
+A failure the user can fix (a bad file, a server that does not start, a model out of reach, a
+generator that cannot write the scenarios, a missing package or engine) is one line on stderr,
+`art mcp-train: error: ...`, exit status 2 as for argparse's errors; files, models and server
+are checked before the engine starts. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,9 +21,113 @@ import asyncio
 import importlib
 import importlib.util
 import os
+import socket
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+
+class CommandError(Exception):
+    """A failure the user can fix: printed as one line, `<prog>: error: <message>`, exit 2."""
+
+
+def expected_error(e: BaseException) -> str | None:
+    """The one-line message for a failure the user can fix, or None (a bug: the traceback is
+    worth more than a line)."""
+    from art_mcp.scenarios import ScenarioError
+
+    if isinstance(e, CommandError | ScenarioError):
+        return str(e)
+    # the error can only be one of these if its module is loaded: import none of them here
+    openai = sys.modules.get("openai")  # litellm's errors subclass openai's
+    if openai is not None and isinstance(e, openai.APIError):
+        url = getattr(getattr(e, "request", None), "url", None)
+        at = f" at {url}" if url and type(e).__module__.startswith("openai") else ""
+        return (f"a model request failed{at}: {type(e).__name__}: {e}; check --generator, "
+                "--judge and their --*-api-base")
+    vllm_args = sys.modules.get("art_core.inference.vllm_args")
+    if vllm_args is not None and isinstance(e, vllm_args.EngineError):
+        head, *log = [line for line in str(e).splitlines() if line.strip()]
+        return f"the inference engine failed: {head}" + (f" (its log ends: {log[-1].strip()})"
+                                                          if log else "")
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        return (f"this command needs the package {e.name!r}; install it with: pip install "
+                "'art-agents[backend,mcp,ruler]'")
+    return None
+
+
+def finish(prog: str, run: Callable[[], int]) -> int:
+    """`run()`'s status, or the one line of an expected failure (`expected_error`) and 2."""
+    try:
+        return run()
+    except Exception as e:
+        message = expected_error(e)
+        if message is None:
+            raise
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
+
+
+def check_model(option: str, model: str | None, api_base: str | None) -> None:
+    """CommandError when `model` (a litellm model string) cannot work: no provider litellm
+    knows, its `api_base` refuses connections, or its provider's key is not set. No request
+    is sent (a probe would cost tokens); "embedded" needs no check."""
+    if model is None or model == "embedded":
+        return
+    from ruler.calls import import_litellm
+
+    litellm = import_litellm()
+    try:
+        litellm.get_llm_provider(model, api_base=api_base)
+    except Exception:  # noqa: BLE001 - litellm raises several kinds for an unknown provider
+        raise CommandError(f"{option} {model}: not a model litellm can route; write "
+                           "PROVIDER/MODEL (e.g. openai/gpt-4.1-mini), or 'embedded'") from None
+    if api_base:
+        url = urlsplit(api_base)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=10).close()
+        except OSError as e:
+            raise CommandError(f"{option}-api-base {api_base}: cannot connect "
+                               f"({e.strerror or e})") from None
+        return
+    missing = litellm.validate_environment(model).get("missing_keys") or []
+    if missing:
+        raise CommandError(f"{option} {model}: set {', '.join(missing)} in the environment "
+                           f"(or give {option}-api-base URL of an OpenAI-compatible endpoint)")
+
+
+async def check_server(server: Any) -> list[str]:
+    """The names of the server's tools, or CommandError saying why it cannot be started or
+    reached, with the last line it wrote to stderr: in seconds, before the engine starts."""
+    from art_mcp.session import connect, is_connection_closed
+
+    with tempfile.TemporaryDirectory(prefix="art-mcp-check-") as tmp:
+        try:
+            async with connect(server, workdir=tmp) as session:
+                tools = [t["function"]["name"] for t in await session.openai_tools()]
+        except Exception as e:  # noqa: BLE001 - connecting is all this does: any failure is one
+            if isinstance(e, FileNotFoundError) and server.command:
+                why = f"{server.command[0]}: command not found"
+            elif is_connection_closed(e):
+                why = "it exited before answering"
+            elif isinstance(e, TimeoutError):
+                why = "no MCP handshake within 60 s"
+            else:
+                why = f"{type(e).__name__}: {e}"
+            log = Path(tmp) / "server.log"
+            lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+            said = [line.strip() for line in lines if line.strip()][-1:]
+            raise CommandError(f"cannot start or connect to the MCP server "
+                               f"{server.describe()!r}: {why}"
+                               + (f"; its last line on stderr: {said[0]}" if said else "")
+                               ) from None
+    if not tools:
+        raise CommandError(f"the MCP server {server.describe()!r} offers no tools")
+    return tools
 
 
 def load_function(ref: str) -> Any:
@@ -119,23 +228,52 @@ def main(argv: list[str] | None = None) -> int:
     if not args.scenarios and not args.generator:
         p.error("give --scenarios FILE.jsonl or --generator MODEL")
     for name, least in (("steps", 0), ("groups_per_step", 1), ("rollouts_per_group", 2),
-                        ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1)):
+                        ("eval_rollouts", 1), ("max_turns", 1), ("max_concurrency", 1),
+                        ("n_scenarios", 2)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.env and args.url:
+        p.error("--env applies to a stdio server (a command after --), not to --url")
+    return finish(p.prog, lambda: _checked_run(args))
+
+
+def _checked_run(args: argparse.Namespace) -> int:
+    """Check what the run needs from this machine (the server's environment, the files, the
+    models), then run; the server itself is checked in `_run`. Each file is read once, here."""
+    from art_mcp.agent import WorkedExample
+    from art_mcp.scenarios import dedupe, load_scenarios
+
     try:
         args.server_env = server_env(args.env)
     except ValueError as e:
-        p.error(str(e))
-    if args.server_env and args.url:
-        p.error("--env applies to a stdio server (a command after --), not to --url")
+        raise CommandError(str(e)) from None
     args.worked_examples = []
-    if args.examples:  # read once, here: a bad file is an error before anything starts
-        from art_mcp.agent import WorkedExample
-
+    if args.examples:
         try:
             args.worked_examples = WorkedExample.load(args.examples)
         except (OSError, ValueError) as e:
-            p.error(f"--examples: {e}")
+            raise CommandError(f"--examples: {e}") from None
+    args.scenario_list = None
+    if args.scenarios:  # read once, here: passed on as a list
+        try:
+            args.scenario_list = load_scenarios(args.scenarios)
+        except OSError as e:
+            raise CommandError(f"--scenarios: {e.strerror or e}: {args.scenarios}") from None
+        except ValueError as e:
+            raise CommandError(f"--scenarios: {e}") from None
+        if (distinct := len(dedupe(args.scenario_list))) < 2:
+            raise CommandError(f"--scenarios {args.scenarios}: {distinct} distinct tasks; at "
+                               "least 2 are needed (some to train on, some held out)")
+    else:
+        check_model("--generator", args.generator, args.generator_api_base)
+    args.reward_fn = None
+    if args.reward:
+        try:
+            args.reward_fn = load_function(args.reward)
+        except (ValueError, OSError, ImportError, AttributeError) as e:
+            raise CommandError(f"--reward {args.reward}: {e}") from None
+    else:
+        check_model("--judge", args.judge, args.judge_api_base)
     return asyncio.run(_run(args))
 
 
@@ -149,13 +287,14 @@ async def _run(args: argparse.Namespace) -> int:
                            **({"base_model": args.base_model} if args.base_model else {}))
     server = ServerSpec(url=args.url) if args.url else ServerSpec(command=args.command,
                                                                     env=args.server_env)
+    await check_server(server)
     held_out: int | float = int(args.held_out) if args.held_out >= 1 else args.held_out
     judge_kwargs = {"api_base": args.judge_api_base} if args.judge_api_base else {}
     gen_kwargs = {"api_base": args.generator_api_base} if args.generator_api_base else {}
     await train_mcp(
-        server, model=model, path=args.path, scenarios=args.scenarios, generator=args.generator,
-        generator_kwargs=gen_kwargs, n_scenarios=args.n_scenarios, held_out=held_out,
-        reward=load_function(args.reward) if args.reward else None, judge=args.judge,
+        server, model=model, path=args.path, scenarios=args.scenario_list,
+        generator=args.generator, generator_kwargs=gen_kwargs, n_scenarios=args.n_scenarios,
+        held_out=held_out, reward=args.reward_fn, judge=args.judge,
         judge_kwargs=judge_kwargs, steps=args.steps, groups_per_step=args.groups_per_step,
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format,
@@ -237,12 +376,20 @@ def autorl_main(argv: list[str] | None = None) -> int:
                         ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if len(args.description.split()) < 3:
+        p.error("describe the task in a few sentences: what the agent gets and what it should do")
     try:
         tools = [load_function(ref) for ref in args.tools]
         system_prompt, rubric = _text(args.system_prompt), _text(args.rubric)
     except (ValueError, OSError, ImportError, AttributeError) as e:
         p.error(str(e))
-    return asyncio.run(_autorl(args, tools, system_prompt, rubric))
+
+    def run() -> int:
+        check_model("--generator", args.generator, args.generator_api_base)
+        check_model("--judge", args.judge, args.judge_api_base)
+        return asyncio.run(_autorl(args, tools, system_prompt, rubric))
+
+    return finish(p.prog, run)
 
 
 async def _autorl(args: argparse.Namespace, tools: list[Any], system_prompt: str | None,

@@ -6,15 +6,28 @@ to 5 (several steps, some reasoning). The same function serves AutoRL, which pas
 `description` of what the agent should do instead of (or besides) a tool list. Then:
 
 1. Ask for the number still missing (plus a margin for rejects), as strict JSON
-   (`{"scenarios": [{"task", "difficulty"}]}`); prose around a JSON object is tolerated.
+   (`{"scenarios": [{"task", "difficulty"}]}`); prose around a JSON object is tolerated. An
+   attempt's ask is split into requests of `MIN_PER_REQUEST` (6) to `batch_size` tasks, up to
+   `concurrency` (4) in flight: a local engine batches them (the embedded 135M model writes
+   ~12 tokens/s for one request, several times that for four), an API answers them in
+   parallel. Not fewer than 6 a request: within one answer the model sees what it already
+   wrote and avoids repeats; concurrent requests cannot see each other.
 2. Validate each item: a task of 3-600 characters, a difficulty that is an integer 1-5, and,
    with tools, a task that shares a term with them (a name, description, parameter or enum
    word): small generators write tasks unrelated to the tools ("translate languages" for a
    library catalogue). Rejects are counted; most rejected as unrelated is warned about.
 3. Drop duplicates (same task after lower-casing and dropping punctuation and extra spaces),
    also against `existing` ones, and tell the generator what it already wrote.
-4. Repeat until `n` are valid or `max_attempts` requests were made; then `ScenarioError` says
-   what was rejected and why (unless `allow_fewer`).
+4. Repeat until `n` are valid or `max_attempts` attempts were made. A progress bar (tqdm, on
+   stderr) counts the valid scenarios of `n` as each request's answer arrives.
+5. Stop early, after the first attempt, when at least one of its answers was JSON (the
+   generator did write; prose or a refusal only is retried), under a quarter of `n` were
+   valid, and at that yield `max_attempts` attempts would not reach `n` (valid x max_attempts
+   < n): a generator that cannot write tasks for these tools (the 135M model on a server it
+   does not know: 0 of 16, measured) fails in one attempt, not four. Not with `allow_fewer`,
+   whose caller takes what comes.
+6. Too few: `ScenarioError`, one line: valid of asked, the main rejections, the way out
+   (`--scenarios FILE` written by hand, or a stronger `--generator MODEL`).
 
 The generator is any of: a litellm model string ("openai/gpt-4.1-mini"; with `api_base` any
 OpenAI-compatible endpoint, our gateway included), or an `art_core.Model` (its endpoint is
@@ -26,8 +39,10 @@ both.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import random
 import re
 from collections import Counter
@@ -60,16 +75,22 @@ def normalize(task: str) -> str:
 
 
 def load_scenarios(path: str | Path) -> list[Scenario]:
-    """Read a JSONL file of scenarios (`task` required; `id` and `difficulty` optional)."""
+    """Read a JSONL file of scenarios (`task` required; `id` and `difficulty` optional). A
+    ValueError names the file, the line and what is wrong, in one line."""
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             data = json.loads(line)
-            data.setdefault("id", f"{Path(path).stem}-{n}")
-            out.append(Scenario.model_validate(data))
-        except (ValueError, ValidationError) as e:
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            out.append(Scenario.model_validate({"id": f"{Path(path).stem}-{n}", **data}))
+        except ValidationError as e:  # pydantic's text spans lines: one "field: problem" each
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                 for err in e.errors())
+            raise ValueError(f"{path}:{n}: invalid scenario: {problems}") from e
+        except ValueError as e:
             raise ValueError(f"{path}:{n}: invalid scenario: {e}") from e
     return out
 
@@ -237,22 +258,19 @@ async def ask_json(generator: Any, messages: list[dict[str, str]], name: str,
     response_format = {"type": "json_schema", "json_schema": {
         "name": name, "strict": True, "schema": schema}}
     if isinstance(generator, str):
-        import os
+        from ruler.calls import import_litellm  # no network at import, no banners on errors
 
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
-        import litellm
-
+        litellm = import_litellm()
         r = await litellm.acompletion(model=generator, messages=messages, api_base=api_base,
                                       api_key=api_key, temperature=temperature,
                                       response_format=response_format, timeout=timeout)
     else:
+        # not closed after: the model's client is shared (one per event loop), also by the
+        # other requests of this attempt still in flight
         client = generator.openai_client(timeout=timeout)
-        try:
-            r = await client.chat.completions.create(
-                model=generator.name, messages=messages, temperature=temperature,
-                response_format=response_format, max_tokens=max_tokens)
-        finally:
-            await client.close()
+        r = await client.chat.completions.create(
+            model=generator.name, messages=messages, temperature=temperature,
+            response_format=response_format, max_tokens=max_tokens)
     return r.choices[0].message.content or ""
 
 
@@ -263,21 +281,59 @@ async def _ask(generator: Any, messages: list[dict[str, str]], k: int, api_base:
                           temperature=temperature, timeout=timeout)
 
 
+MIN_PER_REQUEST = 6
+"""Fewest tasks one request asks for (module docstring, 1)."""
+
+WAY_OUT = ('write the tasks yourself (--scenarios FILE: JSONL, one {"task": "...", '
+           '"difficulty": 1-5} a line) or use a stronger --generator MODEL '
+           "(e.g. openai/gpt-4.1-mini)")
+"""What the user can do when the generator cannot write the scenarios (`art mcp-train`'s
+options: the message is read there)."""
+
+
+def request_sizes(k: int, batch_size: int, concurrency: int) -> list[int]:
+    """Tasks asked by each request of one attempt, `k` in all: at least `MIN_PER_REQUEST` and
+    at most `batch_size` each, as many requests as `concurrency` allows within those bounds."""
+    requests = max(math.ceil(k / batch_size), min(concurrency, max(1, k // MIN_PER_REQUEST)))
+    return [k // requests + (i < k % requests) for i in range(requests)]
+
+
+def too_few_message(valid: int, n: int, attempts: int, max_attempts: int, stopped_early: bool,
+                    rejected: Counter[str]) -> str:
+    """The one line of a `ScenarioError`: valid of asked, the main rejections, the way out."""
+    top = rejected.most_common(3)
+    reasons = ", ".join(f"{why}: {count}" for why, count in top) or "none"
+    if len(rejected) > len(top):
+        reasons += f", other: {sum(rejected.values()) - sum(c for _, c in top)}"
+    early = (f" (stopped early: at that rate {max_attempts} attempts would not reach {n})"
+             if stopped_early else "")
+    unrelated = ("; the generator does not seem to understand these tools"
+                 if rejected[UNRELATED] > valid else "")
+    return (f"the generator gave {valid} valid distinct scenarios of {n} in {attempts} "
+            f"attempt{'s' * (attempts != 1)}{early}; rejected: {reasons}{unrelated}; {WAY_OUT}")
+
+
 async def generate_scenarios(
     n: int, *, tools: Sequence[dict[str, Any]] | None = None, description: str | None = None,
     generator: Any, api_base: str | None = None, api_key: str | None = None,
     existing: Sequence[Scenario] = (), max_attempts: int = 4, batch_size: int = 20,
-    temperature: float = 1.0, timeout: float = 300.0, allow_fewer: bool = False,
-    difficulties: Sequence[int] | None = None, id_prefix: str = "gen",
-    out: str | Path | None = None,
+    concurrency: int = 4, temperature: float = 1.0, timeout: float = 300.0,
+    allow_fewer: bool = False, difficulties: Sequence[int] | None = None, id_prefix: str = "gen",
+    out: str | Path | None = None, show_progress: bool = True,
 ) -> list[Scenario]:
     """`n` valid, distinct scenarios from a generator model (see the module docstring).
 
     `tools` are OpenAI function tools (e.g. `await session.openai_tools()`); `description` says
     what the agent is for (AutoRL). At least one is needed. `existing` scenarios count as
-    already written (no duplicates of them are returned). `out`: JSONL file to save to."""
+    already written (no duplicates of them are returned). `batch_size`: most tasks one request
+    asks for; `concurrency`: most requests in flight at once. `out`: JSONL file to save to.
+    `show_progress`: the progress bar on stderr."""
+    from tqdm.auto import tqdm  # here, not at module level: keeps `import art_mcp` lean
+
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if min(concurrency, batch_size) < 1:
+        raise ValueError(f"concurrency and batch_size must be >= 1: {concurrency}, {batch_size}")
     if not tools and not description:
         raise ValueError("give tools, a description, or both: the generator needs to know "
                          "what the agent can do")
@@ -287,20 +343,20 @@ async def generate_scenarios(
     written = [s.task for s in existing]
     accepted: list[dict[str, Any]] = []
     rejected: Counter[str] = Counter()
-    for attempt in range(1, max_attempts + 1):
-        missing = n - len(accepted)
-        if missing <= 0:
-            break
-        k = min(batch_size, missing + max(1, missing // 4))  # a margin for rejects
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": _prompt(k, tools, description, written,
-                                                        difficulties)}]
-        try:
-            content = await _ask(generator, messages, k, api_base, api_key, temperature, timeout)
-            items = parse_items(content)
-        except ValueError as e:
-            rejected[f"unusable answer ({e})"] += 1
-            continue
+    slots = asyncio.Semaphore(concurrency)
+
+    async def answer(k: int, prompt: str) -> tuple[list[Any], str]:
+        """(items, "") or ([], why the answer is unusable); a failed request raises."""
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+        async with slots:
+            try:
+                content = await _ask(generator, messages, k, api_base, api_key, temperature,
+                                     timeout)
+                return parse_items(content), ""
+            except ValueError as e:
+                return [], f"unusable answer ({' '.join(str(e).split())})"
+
+    def take(items: list[Any]) -> None:
         for item in items:
             clean, why = _validate(item)
             if clean is None:
@@ -315,16 +371,51 @@ async def generate_scenarios(
                 seen.add(normalize(clean["task"]))
                 written.append(clean["task"])
                 accepted.append(clean)
-        log.info("scenario generation attempt %d: %d/%d valid", attempt, len(accepted), n)
+
+    # mininterval=0: a few updates in all (one per answer), each worth showing
+    bar = tqdm(total=n, desc="scenarios", unit="scenario", disable=not show_progress,
+               mininterval=0)
+    attempts, wrote, stopped_early = 0, False, False
+    try:
+        for attempt in range(1, max_attempts + 1):
+            missing = n - len(accepted)
+            if missing <= 0:
+                break
+            attempts = attempt
+            k = missing + max(1, missing // 4)  # a margin for rejects
+            # every request of the attempt is told the same "already written": they run at once
+            pending = [asyncio.ensure_future(answer(size, _prompt(size, tools, description,
+                                                                  written, difficulties)))
+                       for size in request_sizes(k, batch_size, concurrency)]
+            try:
+                for next_answer in asyncio.as_completed(pending):
+                    items, problem = await next_answer
+                    if problem:
+                        rejected[problem] += 1
+                    wrote = wrote or not problem
+                    take(items)
+                    bar.update(len(accepted) - bar.n)
+                    bar.set_postfix(attempt=f"{attempt}/{max_attempts}",
+                                    rejected=sum(rejected.values()))
+            finally:  # a failed request (unreachable generator) ends the others
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            log.info("scenario generation attempt %d: %d/%d valid", attempt, len(accepted), n)
+            if (attempt == 1 and wrote and not allow_fewer and len(accepted) < n / 4
+                    and len(accepted) * max_attempts < n):
+                stopped_early = True  # module docstring, 5
+                break
+    finally:
+        bar.close()
+    if len(accepted) < n and not allow_fewer:
+        raise ScenarioError(too_few_message(len(accepted), n, attempts, max_attempts,
+                                            stopped_early, rejected))
     if rejected[UNRELATED] > len(accepted):
         log.warning("most tasks the generator wrote (%d of %d) share no term with the tools "
                     "and were rejected: the generator may not understand the tools; try a "
                     "stronger --generator or write scenarios", rejected[UNRELATED],
                     rejected[UNRELATED] + len(accepted))
-    if len(accepted) < n and not allow_fewer:
-        reasons = ", ".join(f"{why}: {c}" for why, c in rejected.most_common()) or "none"
-        raise ScenarioError(f"the generator gave {len(accepted)} valid distinct scenarios of {n} "
-                            f"in {max_attempts} attempts; rejected: {reasons}")
     scenarios = [Scenario(id=f"{id_prefix}-{i + 1:04d}", **item) for i, item in enumerate(accepted)]
     if out is not None:
         save_scenarios(scenarios, out)

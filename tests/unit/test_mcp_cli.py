@@ -24,12 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--judge", "embedded", "--", "python", "s.py"], "--scenarios FILE.jsonl or --generator"),
     (["--judge", "x", "--scenarios", "s", "--rollouts-per-group", "1", "--", "s"],
      "--rollouts-per-group must be at least 2"),
-    (["--judge", "x", "--scenarios", "s", "--examples", "/nonexistent.json", "--", "s"],
-     "--examples: [Errno 2]"),
-    (["--judge", "x", "--scenarios", "s", "--examples", str(ROOT / "README.md"), "--", "s"],
-     "--examples: " + str(ROOT / "README.md")),
+    (["--judge", "x", "--scenarios", "s", "--n-scenarios", "1", "--", "s"],
+     "--n-scenarios must be at least 2"),
+    (["--judge", "x", "--url", "http://h/mcp", "--env", "K=V", "--scenarios", "s"],
+     "--env applies to a stdio server"),
 ])
 def test_bad_arguments_fail_before_anything_starts(argv: list[str], message: str, capsys) -> None:
+    """Argument errors are argparse's (usage, then the error); a bad file, server or model is
+    one line (tests/unit/test_mcp_errors.py)."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -124,6 +124,20 @@ def test_parse_items_rejects(content: str) -> None:
         parse_items(content)
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"task": "Find the books by Calvino."', ":2: invalid scenario: Expecting ',' delimiter"),
+    ('["Find the books by Calvino."]', ":2: invalid scenario: expected a JSON object, got list"),
+    ('{"difficulty": 9}', ":2: invalid scenario: task: Field required; difficulty: Input should "
+                          "be less than or equal to 5"),
+])
+def test_a_bad_scenario_line_is_named_in_one_line(line: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"task": "Add 5 pens to the stock."}\n' + line + "\n")
+    with pytest.raises(ValueError) as e:
+        load_scenarios(path)
+    assert str(e.value).startswith(f"{path}{message}") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(("held_out", "sizes"), [(0.25, (6, 2)), (3, (5, 3)), (0.01, (7, 1)),
                                                   (100, (1, 7))])
 def test_split_never_overlaps_and_is_reproducible(held_out: float, sizes: tuple) -> None:
