@@ -11,6 +11,7 @@ from tests.support.data import load_example
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.nightly  # tests/unit/test_autorl.py runs the same pipeline on a scripted server
 async def test_the_example_cpu_smoke_trains_on_the_embedded_model(backend, smollm2_path, tmp_path):
     """The real thing, smallest setting: SmolLM2 writes the scenarios and prompts, answers,
     judges itself (yesno from logprobs) and takes one GRPO step."""

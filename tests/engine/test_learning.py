@@ -32,7 +32,7 @@ from art_langgraph.demo import (
     questions,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.nightly]
 
 STEPS = 4
 GROUPS, ROLLOUTS = 6, 4

@@ -85,6 +85,7 @@ async def test_generate_scenarios_with_the_gateway_as_generator(agent_model):
     assert all(1 <= s.difficulty <= 5 and len(s.task.split()) >= 3 for s in scenarios)
 
 
+@pytest.mark.nightly  # test_pipeline trains an MCP agent scored by RULER in under a minute
 async def test_mcp_rl_example_smallest_setting(backend, smollm2_path, capsys):
     spec = importlib.util.spec_from_file_location("mcp_rl", ROOT / "examples/mcp_rl.py")
     assert spec and spec.loader

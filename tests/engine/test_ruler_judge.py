@@ -24,6 +24,7 @@ async def judge_model(backend, smollm2_path):
     return model
 
 
+@pytest.mark.nightly  # 3 x 400 free tokens; the logprob modes below are the fast check
 async def test_smollm2_judge_scores_a_group_or_fails_validation(judge_model, tmp_path):
     group = TrajectoryGroup(trajectories=[
         Trajectory(messages=[*QUESTION, {"role": "assistant", "content": a}]) for a in ANSWERS])

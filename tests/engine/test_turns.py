@@ -5,6 +5,7 @@ the importance ratio at 1 on strict tool calls at step 0."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -134,14 +135,16 @@ async def test_run_agent_on_the_example_server_is_one_sequence(smol, tmp_path):
 
 
 async def test_the_three_agents_train_as_one_sequence_each_at_ratio_one(smol, tmp_path):
+    makers = (lambda i: plain_client_agent(smol, seed=10 * i),
+              lambda i: langgraph_rollout(smol),
+              lambda i: mcp_rollout(smol, tmp_path / str(i), "Remove 2 pens from the stock."))
+    # all six in flight at once: the engine batches them
+    pairs = await asyncio.gather(*(asyncio.gather(make(0), make(1)) for make in makers))
     groups = []
-    for make in (lambda i: plain_client_agent(smol, seed=10 * i),
-                 lambda i: langgraph_rollout(smol),
-                 lambda i: mcp_rollout(smol, tmp_path / str(i), "Remove 2 pens from the stock.")):
-        pair = [await make(i) for i in range(2)]
+    for pair in pairs:
         for reward, t in zip((0.0, 1.0), pair, strict=True):
             t.reward = reward  # any two different rewards: the step must train both
-        groups.append(TrajectoryGroup(trajectories=pair))
+        groups.append(TrajectoryGroup(trajectories=list(pair)))
     result = await smol.train(groups)
     m = result.metrics
     assert m["trajectories_kept"] == 6 and m["sequences_per_history"] == 1.0
