@@ -73,6 +73,10 @@ class SampledTurn(BaseModel):
     teacher_logprobs: list[float] | None = Field(default=None, description=(
         "A teacher model's logprob of each completion token, given the same prompt and the "
         "tokens before it (on-policy distillation, art_core/distill/on_policy.py)."))
+    reward: float | None = Field(default=None, description=(
+        "This turn's own reward (per-turn credit): what a step environment gave for this reply, "
+        "or what user code or a judge set with `set_turn_reward`. The trajectory's `reward` "
+        "stays the episode's."))
 
     @model_validator(mode="after")
     def _lengths_match(self) -> SampledTurn:
@@ -93,6 +97,9 @@ class SampledTurn(BaseModel):
                     "the same length")
             if not all(math.isfinite(x) for x in self.teacher_logprobs):
                 raise ValueError("teacher_logprobs contains NaN or an infinite value")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError(f"the reward of the turn at message {self.message_index} must be a "
+                             f"finite number, got {self.reward}")
         return self
 
 
@@ -151,6 +158,22 @@ class History(BaseModel):
     def trainable(self) -> bool:
         """True when at least one assistant turn carries its sampled tokens."""
         return bool(self.turns)
+
+    @property
+    def turn_rewards(self) -> list[float | None]:
+        """Each sampled turn's own reward, in `turns` order (None: not set)."""
+        return [t.reward for t in self.turns]
+
+    def set_turn_reward(self, turn: int, reward: float) -> None:
+        """Give sampled turn `turn` (0-based, in `turns` order) its own reward; a turn that
+        does not exist or a value that is not a finite number is refused, naming the turn."""
+        if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < len(self.turns):
+            raise ValueError(f"turn {turn!r} does not exist: this conversation has "
+                             f"{len(self.turns)} sampled turns (0..{len(self.turns) - 1})")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or \
+                not math.isfinite(reward):
+            raise ValueError(f"the reward of turn {turn} must be a finite number, got {reward!r}")
+        self.turns[turn] = self.turns[turn].model_copy(update={"reward": float(reward)})
 
     def add_completion(self, response: Any, choice: int = 0) -> dict[str, Any]:
         """Append the assistant message of a chat completion served by the art gateway, with

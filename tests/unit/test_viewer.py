@@ -239,3 +239,16 @@ def test_a_project_or_model_directory_opens_its_run_and_the_model_cache_is_never
     (cache / "demo" / "models" / "agent").mkdir(parents=True)
     monkeypatch.setenv("ART_HOME", str(cache / "home"))
     assert [(m["project"], m["name"]) for m in RunView(cache).models()] == [("demo", "agent")]
+
+
+def test_the_view_shows_each_turns_own_reward():
+    from art_core.observe.viewer import _history_view
+    from art_core.trajectory import SampledTurn, Trajectory
+
+    t = Trajectory(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}],
+                   turns=[SampledTurn(message_index=i, prompt_token_ids=[1], completion_token_ids=[2],
+                                      logprobs=[-1.0]) for i in (1, 3)])
+    t.set_turn_reward(1, 0.25)
+    rewards = [m["_art"]["reward"] for m in _history_view(t, True)["messages"] if "_art" in m]
+    assert rewards == [None, 0.25]
