@@ -199,8 +199,13 @@ class TrainConfig(_Strict):
         "Trajectories whose assistant turns carry no sampled tokens are an error unless this is "
         "set; then they are rendered through the chat template (counted in a metric, warned)."))
     seed: int = Field(0, description="Seed for the step's shuffling; results are reproducible.")
-    advantage: Literal["group", "teacher"] = Field("group", description=(
-        "'group': GRPO's group-relative reward advantage (zero-variance groups dropped). "
+    advantage: Literal["group", "teacher", "turn"] = Field("group", description=(
+        "'group': GRPO's group-relative reward advantage (zero-variance groups dropped); the "
+        "default, because the demo's learning runs measured it. "
+        "'turn': per-turn credit (art_core/train/credit.py): each sampled turn's return-to-go "
+        "(its own and later turns' rewards, `SampledTurn.reward`) against the other "
+        "trajectories of its group at the same turn, an unbiased leave-one-out baseline; with "
+        "no turn rewards it is group-relative without the std. "
         "'teacher': on-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines, "
         "'On-Policy Distillation', 2025): each sampled token's advantage is teacher logprob - "
         "sampler logprob, the negative per-token reverse KL estimate, so the student moves "
@@ -209,9 +214,9 @@ class TrainConfig(_Strict):
         "not with loss='gspo', whose ratio and advantage are per sequence."))
 
     def model_post_init(self, context: object) -> None:
-        if self.advantage == "teacher" and self.loss == "gspo":
-            raise ValueError("advantage='teacher' gives one advantage per token; loss='gspo' "
-                             "takes one per sequence: use loss='cispo' or 'ppo'")
+        if self.advantage in ("teacher", "turn") and self.loss == "gspo":
+            raise ValueError(f"advantage={self.advantage!r} gives one advantage per token; "
+                             "loss='gspo' takes one per sequence: use loss='cispo' or 'ppo'")
 
     def clip_bounds(self) -> tuple[float, float]:
         """(epsilon_low, epsilon_high), resolved to the loss's own defaults where unset."""

@@ -256,12 +256,19 @@ def build_sequences(
     return _build(trajectory, advantage, traj_index, retokenize)[0]
 
 
+TokenAdvantages = Callable[[int, int, SampledTurn], list[float]]
+"""(trajectory index in `scored`, history index in `histories()`, turn) -> one advantage per
+completion token of the turn: per-token advantages (distillation, per-turn credit)."""
+
+
 def _build(trajectory: Trajectory, advantage: float, traj_index: int,
            retokenize: Retokenize | None,
-           teacher: bool = False) -> tuple[list[Sequence], list[_HistoryBuild]]:
+           per_token: TokenAdvantages | None = None) -> tuple[list[Sequence], list[_HistoryBuild]]:
     if trajectory.trainable:
-        builds = [_history_sequences(history, advantage, traj_index, teacher)
-                  for history in trajectory.histories()]
+        builds = [_history_sequences(history, advantage, traj_index,
+                                     None if per_token is None else
+                                     (lambda turn, h=h: per_token(traj_index, h, turn)))
+                  for h, history in enumerate(trajectory.histories())]
         builds = [b for b in builds if b.sequences]
         return [s for b in builds for s in b.sequences], builds
 
@@ -290,12 +297,15 @@ def build_all_sequences(
     *,
     retokenize: Retokenize | None = None,
     teacher: bool = False,
+    token_advantages: TokenAdvantages | None = None,
 ) -> tuple[list[Sequence], dict[str, float]]:
     """`build_sequences` over every (trajectory, advantage); traj_index is the position in `scored`.
 
     `teacher=True` (on-policy distillation, see `teacher_advantages`): every sequence gets
     `token_advantages`, teacher_logprob - sampler_logprob at each sampled token (0 elsewhere),
     and the trajectory's advantage is unused; every sampled turn must carry `teacher_logprobs`.
+    `token_advantages` (per-turn credit, art_core/train/credit.py) likewise gives each sampled
+    token its own advantage.
 
     Metrics: `trajectories_trained`, `sequences`, `trained_tokens`, `tokens`,
     `retokenized_trajectories` and `frac_retokenized` (invariant 1: the fallback is never silent;
@@ -310,9 +320,10 @@ def build_all_sequences(
     sequences: list[Sequence] = []
     builds: list[_HistoryBuild] = []
     n_trajectories = n_retokenized = 0
+    per_token = _teacher_token_advantages if teacher else token_advantages
     for traj_index, (trajectory, advantage) in enumerate(scored):
         n_trajectories += 1
-        built, histories = _build(trajectory, advantage, traj_index, retokenize, teacher)
+        built, histories = _build(trajectory, advantage, traj_index, retokenize, per_token)
         n_retokenized += any(s.retokenized for s in built)
         sequences.extend(built)
         builds.extend(histories)
@@ -356,20 +367,22 @@ class _HistoryBuild:
 
 
 def _history_sequences(history: History, advantage: float, traj_index: int,
-                       teacher: bool = False) -> _HistoryBuild:
-    """The prefix-extension rule of `build_sequences` for one history; with `teacher`, the
-    per-token advantages of on-policy distillation alongside."""
+                       per_token: Callable[[SampledTurn], list[float]] | None = None
+                       ) -> _HistoryBuild:
+    """The prefix-extension rule of `build_sequences` for one history; with `per_token`, each
+    completion token's own advantage alongside (0 on context tokens)."""
     out = _HistoryBuild([], [], 0, 0, 0)
     tokens: list[int] = []
     mask: list[int] = []
     old: list[float] = []
-    adv: list[float] = []  # per token, only kept with `teacher`
+    adv: list[float] = []  # per token, only kept with `per_token`
 
     def close() -> None:
         if tokens:
             out.sequences.append(Sequence(list(tokens), list(mask), list(old), advantage,
                                           traj_index,
-                                          token_advantages=list(adv) if teacher else None))
+                                          token_advantages=None if per_token is None
+                                          else list(adv)))
 
     previous: SampledTurn | None = None
     for turn in sorted(history.turns, key=lambda t: t.message_index):
@@ -395,12 +408,8 @@ def _history_sequences(history: History, advantage: float, traj_index: int,
         tokens += turn.completion_token_ids
         mask += [1] * len(turn.completion_token_ids)
         old += _sampler_logprobs(turn)
-        if teacher:
-            if turn.teacher_logprobs is None:
-                raise ValueError(
-                    f"trajectory {traj_index}: the sampled turn of message {turn.message_index} "
-                    "has no teacher_logprobs (score it with art_core.distill.score_with_teacher)")
-            adv += _teacher_token_advantages(turn)
+        if per_token is not None:
+            adv += per_token(turn)
         out.truncated_turns += turn.finish_reason == "length"
         if turn.constrained_from is not None:
             out.constrained_tokens += max(0, len(turn.logprobs) - turn.constrained_from)
@@ -428,9 +437,13 @@ def _teacher_gaps(turn: SampledTurn) -> list[float]:
     return [t - s for t, s in zip(turn.teacher_logprobs[:k], turn.logprobs[:k], strict=True)]
 
 
-def _teacher_token_advantages(turn: SampledTurn) -> list[float]:
+def _teacher_token_advantages(traj_index: int, _history: int, turn: SampledTurn) -> list[float]:
     """The per-token advantage of each completion token of the turn: its gap, 0 where it is
     not distilled (the token still trains at ratio 1, with no push either way)."""
+    if turn.teacher_logprobs is None:
+        raise ValueError(
+            f"trajectory {traj_index}: the sampled turn of message {turn.message_index} "
+            "has no teacher_logprobs (score it with art_core.distill.score_with_teacher)")
     gaps = _teacher_gaps(turn)
     return gaps + [0.0] * (len(turn.logprobs) - len(gaps))
 

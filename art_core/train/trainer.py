@@ -6,6 +6,8 @@ The algorithm of `Trainer.step(groups, config)`:
    counted (batch.compute_advantages). Or, with `advantage="teacher"` (on-policy distillation),
    per token A_t = teacher logprob - sampler logprob of each sampled token, every trajectory
    kept (batch.teacher_advantages): the same loss then pulls the student towards the teacher.
+   Or, with `advantage="turn"`, per turn: its return-to-go against the other trajectories of
+   the group at the same turn (credit.turn_advantages), given to each of its tokens.
 2. sequences: the exact token ids the engine sampled, masked to the sampled completion tokens,
    with the sampler's logprobs as the old policy (batch.build_all_sequences); weights so every
    trajectory counts the same (batch.with_token_weights); sequences that share a prompt packed
@@ -36,6 +38,7 @@ from art_core.host import cpu_supports_bf16
 from art_core.sft.render import assistant_mask_tokens
 from art_core.train import batch as B
 from art_core.train import packing as P
+from art_core.train.credit import turn_advantages
 from art_core.train.loss import chunked_token_logprobs, grpo_loss
 from art_core.trajectory import History, TrajectoryGroup
 
@@ -162,13 +165,16 @@ class Trainer:
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         teacher = config.advantage == "teacher"
+        per_token = None
         if teacher:
             scored, stats = B.teacher_advantages(groups)
+        elif config.advantage == "turn":
+            scored, stats, per_token = turn_advantages(groups)
         else:
             scored, stats = B.compute_advantages(groups, config.scale_rewards)
         retokenize = self._retokenize if config.allow_retokenize else None
         sequences, seq_metrics = B.build_all_sequences(scored, retokenize=retokenize,
-                                                       teacher=teacher)
+                                                       teacher=teacher, token_advantages=per_token)
         metrics: dict[str, float] = {**stats, **seq_metrics}
         opt = self._ensure_optimizer(config)
         opt.zero_grad(set_to_none=True)
