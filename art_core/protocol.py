@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Any, NotRequired, TypedDict
 
@@ -76,6 +77,23 @@ def extend_response(data: dict[str, Any], *, served: str, step: int | None,
     data[STARTED_AT] = started_at
     data[LATENCY_S] = round(latency_s, 6)
     return data
+
+
+def _content_text(content: Any) -> Any:
+    return content if isinstance(content, str | None) else json.dumps(content, sort_keys=True)
+
+
+def message_key(m: dict[str, Any]) -> str:
+    """What identifies a message in a conversation. An assistant message is identified by its
+    tool-call ids when it has calls (clients re-serialise the arguments) and else by its text."""
+    role = m.get("role")
+    if role == "assistant":
+        calls = m.get("tool_calls") or []
+        if calls:
+            return json.dumps(["assistant", [c.get("id") for c in calls if isinstance(c, dict)]])
+        return json.dumps(["assistant", _content_text(m.get("content")) or ""])
+    return json.dumps([role, _content_text(m.get("content")), m.get("tool_call_id"),
+                       m.get("name")])
 
 
 def read_response(data: dict[str, Any], choice: int = 0, chat: bool = True) -> Sampled | None:

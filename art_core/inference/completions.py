@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
@@ -102,10 +102,20 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def completion(gw: Gateway, request: Request, path: str) -> Response:
+Recorded = Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], None]
+"""`(request body, assistant message, ledger record)` of each answered chat request: a harness
+rollout's record (harness.py)."""
+
+
+async def completion(gw: Gateway, request: Request, path: str, *, model: str | None = None,
+                     on_recorded: Recorded | None = None) -> Response:
+    """One completion request through the gateway. `model` replaces the body's (a harness
+    rollout serves its own model); `on_recorded` sees each answered chat request."""
     started_at = time.time()  # wall clock: the call's latency, as the caller sees it
     try:
         body = parse_body(await request.body())
+        if model is not None:
+            body["model"] = model
         chat = path.endswith("chat/completions")
         if chat:
             msgs = body.get("messages")
@@ -138,7 +148,8 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
                 up = plan.upstream(up)  # never streamed upstream: see tool_calls.py
             elif body.get("stream") and not turn.spliced:
                 response, handed_off = await _stream(gw, route, path, up, requested, chat,
-                                                     started_at, body, turn, capped)
+                                                     started_at, body, turn, capped,
+                                                     on_recorded)
                 return response
             target = path
             if turn.spliced:
@@ -165,7 +176,12 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
                 gw.splicer.remember(route.engine, body, data, turn, started_at)
             if capped:
                 _warn_truncated(route, data)
-            gw.ledger.add(ledger_record(data, requested, chat))
+            rec = ledger_record(data, requested, chat)
+            gw.ledger.add(rec)
+            if on_recorded is not None and chat:
+                message = (data.get("choices") or [{}])[0].get("message") or {}
+                on_recorded(body, {k: message[k] for k in ("content", "tool_calls")
+                                   if message.get(k) is not None}, dict(rec))
             if body.get("stream"):  # strict tools, streamed: the finished response, chunked
                 return _sse(stream_chunks(data, _include_usage(body)))
             return JSONResponse(data)
@@ -185,7 +201,8 @@ async def completion(gw: Gateway, request: Request, path: str) -> Response:
 
 async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                   requested: str, chat: bool, started_at: float, body: dict[str, Any],
-                  turn: Plan, capped: bool) -> tuple[Response, bool]:
+                  turn: Plan, capped: bool, on_recorded: Recorded | None = None
+                  ) -> tuple[Response, bool]:
     """Relay vLLM's SSE stream, recording tokens as they pass. Returns (response, whether
     the in-flight slot was handed to the stream, which releases it when it ends)."""
     opened = await upstream.open_stream(gw.client, route.engine, path, up, gw.restart_wait_s)
@@ -224,6 +241,12 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                 if capped:
                     _warn_truncated(route, {"choices": rec["choices"]})
                 gw.ledger.add(rec)
+                if on_recorded is not None and chat:
+                    streamed = acc["messages"].get(0) or {}
+                    message: dict[str, Any] = {"content": streamed.get("content") or None}
+                    if streamed.get("tool_calls"):
+                        message["tool_calls"] = streamed["tool_calls"]
+                    on_recorded(body, message, dict(rec))
         except httpx.HTTPError as e:  # vLLM died mid-stream: say so, do not just stop
             yield upstream.sse_error(503, f"the inference engine of {route.engine.served_name!r}"
                                      f" stopped in the middle of this response ({type(e).__name__})"

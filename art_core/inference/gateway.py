@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 
 from art_core.inference.completions import GatewayError, completion, openai_error
 from art_core.inference.engine import EngineError, VLLMEngine
+from art_core.inference.harness import ROLLOUTS_PATH, HarnessRollouts, record_call
 from art_core.inference.ledger import Ledger
 from art_core.inference.policy_check import PolicyMismatch, check_served
 from art_core.inference.splice import Splicer
@@ -84,6 +85,7 @@ class Gateway:
         self.engines: dict[str, VLLMEngine] = {}
         self.models: dict[str, ServedModel] = {}
         self.ledger = Ledger(ledger_size)
+        self.rollouts = HarnessRollouts()  # harness mode (harness.py)
         self.splicer = Splicer(ledger_size)
         self.gate_timeout_s = gate_timeout_s
         self.drain_timeout_s = drain_timeout_s
@@ -345,6 +347,41 @@ class Gateway:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await completion(self, request, "/v1/completions")
+
+        @app.post("/v1" + ROLLOUTS_PATH)
+        async def start_rollout(request: Request) -> Response:
+            """A harness rollout of {"model": name}: its id and its base URL's path."""
+            try:
+                name = (await request.json()).get("model")
+            except (ValueError, AttributeError, RecursionError):
+                name = None
+            if not isinstance(name, str) or not name:
+                return openai_error(400, 'body must be {"model": "<served model name>"}',
+                                    param="model")
+            try:
+                await self.resolve(name)  # a typo fails here, not in the harness
+            except GatewayError as e:
+                return openai_error(e.status, e.message, param=e.param, headers=e.headers)
+            rid = self.rollouts.start(name)
+            return JSONResponse({"id": rid, "path": f"/v1{ROLLOUTS_PATH}/{rid}/v1"})
+
+        @app.post("/v1" + ROLLOUTS_PATH + "/{rid}/v1/chat/completions")
+        async def rollout_chat(rid: str, request: Request) -> Response:
+            try:
+                rollout = self.rollouts.get(rid)
+            except GatewayError as e:
+                return openai_error(e.status, e.message)
+            return await completion(
+                self, request, "/v1/chat/completions", model=rollout.model,
+                on_recorded=lambda body, message, rec: record_call(rollout, body, message, rec))
+
+        @app.post("/v1" + ROLLOUTS_PATH + "/{rid}/finish")
+        async def finish_rollout(rid: str) -> Response:
+            try:
+                rollout = self.rollouts.finish(rid)
+            except GatewayError as e:
+                return openai_error(e.status, e.message)
+            return JSONResponse({"model": rollout.model, "calls": rollout.calls})
 
         @app.get("/v1/models")
         async def list_models() -> dict[str, Any]:

@@ -54,8 +54,15 @@ def accumulate(acc: dict[str, Any], chunk: dict[str, Any], chat: bool) -> None:
             msg = acc["messages"].setdefault(c.get("index", 0), {"content": "", "tool_calls": []})
             msg["content"] += delta.get("content") or ""
             for tc in delta.get("tool_calls") or []:
-                if isinstance(tc, dict) and tc.get("id"):
-                    msg["tool_calls"].append({"id": tc["id"]})
+                if not isinstance(tc, dict):
+                    continue
+                if tc.get("id"):  # a new call; the deltas after it extend it
+                    msg["tool_calls"].append({"id": tc["id"], "type": "function",
+                                              "function": {"name": "", "arguments": ""}})
+                if msg["tool_calls"]:
+                    fn, into = tc.get("function") or {}, msg["tool_calls"][-1]["function"]
+                    into["name"] += fn.get("name") or ""
+                    into["arguments"] += fn.get("arguments") or ""
 
 
 def record_of_stream(acc: dict[str, Any], requested: str | None, served: str, step: int | None,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_core.inference.chat_tokens import TemplateSplitError, check_template, suffix_ids
-from art_core.protocol import SPLICE
+from art_core.protocol import SPLICE, message_key
 
 __all__ = ["SPLICE", "Plan", "Splicer", "chat_response", "completions_body", "top_logprobs"]
 
@@ -75,22 +75,6 @@ class Plan:
     @property
     def spliced(self) -> bool:
         return self.prompt_ids is not None
-
-
-def _text(content: Any) -> Any:
-    return content if isinstance(content, str | None) else json.dumps(content, sort_keys=True)
-
-
-def message_key(m: dict[str, Any]) -> str:
-    """What identifies a message in a conversation. An assistant message is identified by its
-    tool-call ids when it has calls (clients re-serialise the arguments) and else by its text."""
-    role = m.get("role")
-    if role == "assistant":
-        calls = m.get("tool_calls") or []
-        if calls:
-            return json.dumps(["assistant", [c.get("id") for c in calls if isinstance(c, dict)]])
-        return json.dumps(["assistant", _text(m.get("content")) or ""])
-    return json.dumps([role, _text(m.get("content")), m.get("tool_call_id"), m.get("name")])
 
 
 class Splicer:
