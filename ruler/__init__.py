@@ -24,6 +24,10 @@ pair) and reads the rating from the judge's token probabilities (`ruler.robust`)
 can be malformed. `mode="auto"` (the default) uses `LOCAL_DEFAULT_MODE` when the judge is local
 (a loopback `api_base`, or SmolLM2) and the listwise JSON prompt above otherwise.
 
+Per turn (`score_turns`, `turn_hook`; ruler/turns.py): the group is ranked after each turn, and
+each turn is rewarded with the change it made to its trajectory's standing (for
+`TrainConfig(advantage="turn")`).
+
 Why relative: judges are far more consistent at ranking attempts side by side than at giving an
 absolute grade, and GRPO only uses rewards relative to the group's mean anyway.
 
@@ -46,6 +50,7 @@ from ruler.scoring import (
     score,
     score_group,
 )
+from ruler.turns import score_turns, turn_hook
 
 __all__ = [
     "DEFAULT_RUBRIC",
@@ -57,4 +62,6 @@ __all__ = [
     "hook",
     "score",
     "score_group",
+    "score_turns",
+    "turn_hook",
 ]
