@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from art_core import Model, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.loop import EvalStats, load_eval_groups, train_loop
+from art_core.sampling import DEFAULT_BUDGET
 from art_core.trajectory import write_groups_jsonl
 from art_mcp.agent import COMPLETE_TASK, AgentConfig, _append, run_agent
 from art_mcp.functions import FunctionSession
@@ -218,6 +219,7 @@ async def autorl(
     held_out: int | float = 0.25, steps: int = 4, groups_per_step: int = 4,
     rollouts_per_group: int = 4, eval_rollouts: int = 2, agent: AgentConfig | None = None,
     train_config: TrainConfig | None = None, seed: int = 0, max_concurrency: int | None = 8,
+    oversample: float | None = DEFAULT_BUDGET,
     examples: int = 3, print_fn: Callable[[str], None] = print,
 ) -> AutoRLResult:
     """Train `model` (default: the embedded model as "autorl-agent") for `description` for
@@ -280,7 +282,7 @@ async def autorl(
             model, rollout, train, held, run_dir, steps=steps, groups_per_step=groups_per_step,
             rollouts_per_group=rollouts_per_group, eval_rollouts=eval_rollouts, after_each=hook,
             train_config=train_config, seed=seed, max_concurrency=max_concurrency,
-            print_fn=print_fn)
+            oversample=oversample, print_fn=print_fn)
         before_groups, after_groups = (load_eval_groups(run_dir, loop.before.step),
                                        load_eval_groups(run_dir, loop.after.step))
         side = None

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from art_core.sampling import DEFAULT_BUDGET
+
 
 class CommandError(Exception):
     """A failure the user can fix: printed as one line, `<prog>: error: <message>`, exit 2."""
@@ -177,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", help="RULER judge: a litellm model, or 'embedded'")
     p.add_argument("--judge-api-base", help="OpenAI-compatible endpoint for --judge")
     p.add_argument("--steps", type=int, default=4, help="training steps to add (default: %(default)s)")
+    p.add_argument("--oversample", type=float, default=DEFAULT_BUDGET,
+                   help="dynamic sampling: groups drawn per step, at most, per group trained "
+                        "(1: off; default: %(default)s)")
     p.add_argument("--groups-per-step", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--rollouts-per-group", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--eval-rollouts", type=int, default=2,
@@ -232,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("n_scenarios", 2)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.oversample < 1:
+        p.error("--oversample must be at least 1")
     if args.env and args.url:
         p.error("--env applies to a stdio server (a command after --), not to --url")
     return finish(p.prog, lambda: _checked_run(args))
@@ -300,7 +307,7 @@ async def _run(args: argparse.Namespace) -> int:
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format,
                           examples=args.worked_examples),
         train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
-        max_concurrency=args.max_concurrency)
+        max_concurrency=args.max_concurrency, oversample=args.oversample)
     return 0
 
 
@@ -345,6 +352,9 @@ def autorl_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out", type=float, default=0.25,
                    help="held-out share (<1) or count (>=1) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="training steps to add (default: %(default)s)")
+    p.add_argument("--oversample", type=float, default=DEFAULT_BUDGET,
+                   help="dynamic sampling: groups drawn per step, at most, per group trained "
+                        "(1: off; default: %(default)s)")
     p.add_argument("--groups-per-step", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--rollouts-per-group", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--eval-rollouts", type=int, default=2,
@@ -376,6 +386,8 @@ def autorl_main(argv: list[str] | None = None) -> int:
                         ("max_turns", 1), ("max_concurrency", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.oversample < 1:
+        p.error("--oversample must be at least 1")
     if len(args.description.split()) < 3:
         p.error("describe the task in a few sentences: what the agent gets and what it should do")
     try:
@@ -413,5 +425,5 @@ async def _autorl(args: argparse.Namespace, tools: list[Any], system_prompt: str
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
         agent=AgentConfig(max_tokens=args.max_tokens, max_turns=args.max_turns),
         train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
-        max_concurrency=args.max_concurrency, examples=args.examples)
+        max_concurrency=args.max_concurrency, oversample=args.oversample, examples=args.examples)
     return 0

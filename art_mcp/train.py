@@ -35,6 +35,7 @@ from typing import Any
 from art_core import Model, TrainableModel, TrainConfig, Trajectory
 from art_core.loop import EvalStats, train_loop
 from art_core.loop import evaluate as evaluate_rollouts
+from art_core.sampling import DEFAULT_BUDGET
 from art_mcp.agent import AgentConfig, run_agent
 from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split, untrained_copy
 from art_mcp.scenarios import Scenario, generate_scenarios, load_scenarios
@@ -148,7 +149,8 @@ async def train_mcp(
     judge: str | None = None, judge_kwargs: dict[str, Any] | None = None, steps: int = 4,
     groups_per_step: int = 4, rollouts_per_group: int = 4, eval_rollouts: int = 2,
     agent: AgentConfig | None = None, train_config: TrainConfig | None = None, seed: int = 0,
-    max_concurrency: int | None = 8, print_fn: Callable[[str], None] = print,
+    max_concurrency: int | None = 8, oversample: float | None = DEFAULT_BUDGET,
+    print_fn: Callable[[str], None] = print,
 ) -> McpTrainResult:
     """Train `model` (default: the embedded model as "mcp-agent") on `server`'s tools for
     `steps` GRPO steps and compare held-out results before and after (see module docstring).
@@ -158,7 +160,9 @@ async def train_mcp(
     Reward: `reward(trajectory, context)` when given (verifiable), else RULER with `judge`
     (a litellm model; "embedded" uses an untrained copy of the model's base on the same
     backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...).
-    `max_concurrency` caps rollouts (and so server processes) running at once."""
+    `max_concurrency` caps rollouts (and so server processes) running at once. `oversample`:
+    dynamic sampling's budget, groups drawn per group trained at most (None: off;
+    art_core/sampling.py)."""
     spec = as_server(server)
     model = model or TrainableModel(name="mcp-agent", project="mcp")
     async with open_run(model, backend, path, "mcp") as (backend, run_dir):
@@ -178,7 +182,7 @@ async def train_mcp(
             run_dir, steps=steps, groups_per_step=groups_per_step,
             rollouts_per_group=rollouts_per_group, eval_rollouts=eval_rollouts,
             after_each=after_each, train_config=train_config, seed=seed,
-            max_concurrency=max_concurrency, print_fn=print_fn)
+            max_concurrency=max_concurrency, oversample=oversample, print_fn=print_fn)
         table = format_table(loop.before, loop.after, verifiable=reward is not None)
         print_fn(table)
         print_fn(f"run directory: {run_dir.parent}")

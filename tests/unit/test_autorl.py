@@ -348,6 +348,7 @@ async def test_function_session_reports_failures_as_results():
     ([TASK, "--rubric", "@/nonexistent/rubric.txt"], "No such file"),
     ([TASK, "--judge-mode", "shout"], "invalid choice"),
     ([TASK, "--tools", f"{EXAMPLE}:nope"], "has no 'nope'"),
+    ([TASK, "--oversample", "0"], "--oversample must be at least 1"),
 ])
 def test_cli_bad_arguments_fail_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

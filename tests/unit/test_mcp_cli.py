@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
      "--n-scenarios must be at least 2"),
     (["--judge", "x", "--url", "http://h/mcp", "--env", "K=V", "--scenarios", "s"],
      "--env applies to a stdio server"),
+    (["--judge", "x", "--scenarios", "s", "--oversample", "0.5", "--", "s"],
+     "--oversample must be at least 1"),
 ])
 def test_bad_arguments_fail_before_anything_starts(argv: list[str], message: str, capsys) -> None:
     """Argument errors are argparse's (usage, then the error); a bad file, server or model is
