@@ -104,11 +104,12 @@ def instrument(timeline: Timeline) -> None:
     import torch.optim.optimizer as topt
 
     from art_core.storage import ModelDir
+    from art_core.train import advantages as A
     from art_core.train import batch as B
     from art_core.train import trainer as T
 
-    for name in ("compute_advantages", "build_all_sequences", "with_token_weights", "collate",
-                 "shift_for_next_token"):
+    timeline.wrap(A, "compute_advantages", "tokenization")
+    for name in ("build_all_sequences", "with_token_weights", "collate", "shift_for_next_token"):
         timeline.wrap(B, name, "tokenization")
     timeline.wrap(ModelDir, "journal_groups", "ledger")
     timeline.wrap(ModelDir, "append_history", "ledger")

@@ -2,12 +2,9 @@
 
 The stages, one function each, in the order the trainer calls them:
 
-1. `compute_advantages`: advantage = reward - group mean (divided by the group's std when
-   `scale_rewards`). Groups whose rewards are all equal carry no signal and are dropped and counted
-   (ARCHITECTURE invariant 7), as are groups with fewer than two trajectories.
-   Or, for on-policy distillation (`TrainConfig.advantage="teacher"`), `teacher_advantages`:
-   every trajectory trains, and each sampled token's advantage is its teacher logprob minus its
-   sampler logprob (set per token by stage 2).
+1. advantages (art_core/train/advantages.py: `compute_advantages` for GRPO, `teacher_advantages`
+   for on-policy distillation; per-turn credit in credit.py): (trajectory, advantage) pairs, and
+   per-token advantages where an estimator gives them (set by stage 2).
 2. `build_all_sequences` / `build_sequences`: each trajectory's sampled turns become training
    sequences made of the exact token ids the engine saw and produced (invariant 1). A turn whose
    prompt starts with everything before it extends the current sequence, so a multi-turn agent
@@ -48,132 +45,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from art_core.trajectory import (
-    History,
-    SampledTurn,
-    Trajectory,
-    continues,
-    has_signal,
-    split_reason,
-)
+from art_core.train.advantages import TokenAdvantages, describe, teacher_token_advantages
+from art_core.trajectory import History, SampledTurn, Trajectory, continues, split_reason
 
 log = logging.getLogger(__name__)
-
-ADVANTAGE_EPS = 1e-6
-"""Added to the group std before dividing: keeps near-equal rewards from exploding into +-1."""
 
 _Row = TypeVar("_Row", bound=Sized)
 
 Retokenize = Callable[[History], Iterable[Any]]
 """Fallback that renders a history without sampled turns into sequence-like items (objects or
 mappings with `token_ids`, `mask` and optionally `old_logprobs`)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# 1. Advantages
-# ---------------------------------------------------------------------------------------------
-
-
-def compute_advantages(
-    groups: Iterable[Iterable[Trajectory]], scale_rewards: bool
-) -> tuple[list[tuple[Trajectory, float]], dict[str, float]]:
-    """Group-relative advantages (GRPO): each trajectory is compared with its own group only.
-
-    Returns the kept trajectories with their advantage, in group order, and step statistics:
-    `groups`, `groups_zero_variance` (all rewards equal within `trajectory.ZERO_VARIANCE_TOL`),
-    `frac_groups_zero_variance`, `groups_too_small` (fewer than 2 trajectories; counted apart
-    from zero-variance ones), `trajectories`, `trajectories_kept`, and `reward_mean` /
-    `reward_std` (population) over ALL trajectories, dropped groups included, so the reward curve
-    does not jump when groups are dropped. Empty input gives zero statistics.
-    """
-    scored: list[tuple[Trajectory, float]] = []
-    all_rewards: list[float] = []
-    n_groups = n_zero_variance = n_too_small = 0
-    for group in groups:
-        trajectories = list(group)
-        rewards = [t.reward for t in trajectories]
-        n_groups += 1
-        all_rewards.extend(rewards)
-        if len(trajectories) < 2:
-            n_too_small += 1  # nothing to compare with
-            continue
-        if not has_signal(rewards):
-            n_zero_variance += 1  # every advantage would be 0: no gradient, only cost
-            continue
-        mean, std = _mean_std(rewards)
-        for trajectory, reward in zip(trajectories, rewards, strict=True):
-            advantage = reward - mean
-            if scale_rewards:
-                advantage /= std + ADVANTAGE_EPS
-            scored.append((trajectory, advantage))
-
-    reward_mean, reward_std = _mean_std(all_rewards) if all_rewards else (0.0, 0.0)
-    stats: dict[str, float] = {
-        "groups": n_groups,
-        "groups_zero_variance": n_zero_variance,
-        "frac_groups_zero_variance": n_zero_variance / n_groups if n_groups else 0.0,
-        "groups_too_small": n_too_small,
-        "trajectories": len(all_rewards),
-        "trajectories_kept": len(scored),
-        "reward_mean": reward_mean,
-        "reward_std": reward_std,
-    }
-    return scored, stats
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population std (the group is the whole population GRPO compares against)."""
-    mean = math.fsum(values) / len(values)
-    var = math.fsum((v - mean) ** 2 for v in values) / len(values)
-    return mean, math.sqrt(var)
-
-
-def teacher_advantages(
-    groups: Iterable[Iterable[Trajectory]],
-) -> tuple[list[tuple[Trajectory, float]], dict[str, float]]:
-    """On-policy distillation: every trajectory is kept (no group comparison, so no group is
-    dropped), with a placeholder advantage of 0.0; the real, per-token advantage
-    teacher_logprob - sampler_logprob is set by `build_all_sequences(..., teacher=True)`.
-
-    Raises ValueError for a trajectory with a sampled turn that has no `teacher_logprobs`, or
-    with no sampled turn at all (nothing the teacher could have scored).
-    Statistics: as `compute_advantages` (nothing dropped), plus `teacher_kl`, the mean over
-    distilled tokens of sampler_logprob - teacher_logprob (a per-token estimate of the reverse
-    KL(student || teacher) on the student's own samples), and `teacher_tokens`, their count.
-    Tokens a tool-call grammar chose are not distilled (`_teacher_gaps`).
-    """
-    scored: list[tuple[Trajectory, float]] = []
-    rewards: list[float] = []
-    gaps: list[float] = []
-    n_groups = 0
-    for gi, group in enumerate(groups):
-        n_groups += 1
-        for ti, trajectory in enumerate(group):
-            turns = [t for h in trajectory.histories() for t in h.turns]
-            if not turns or any(t.teacher_logprobs is None for t in turns):
-                raise ValueError(
-                    f"groups[{gi}].trajectories[{ti}] ({_describe(trajectory)}) has "
-                    f"{'no sampled turn' if not turns else 'a sampled turn without teacher_logprobs'}"
-                    ": advantage='teacher' trains on the teacher's logprobs of the sampled tokens;"
-                    " score the groups with art_core.distill.score_with_teacher first")
-            for turn in turns:
-                gaps += _teacher_gaps(turn)
-            rewards.append(trajectory.reward)
-            scored.append((trajectory, 0.0))
-    reward_mean, reward_std = _mean_std(rewards) if rewards else (0.0, 0.0)
-    stats: dict[str, float] = {
-        "groups": n_groups,
-        "groups_zero_variance": 0,
-        "frac_groups_zero_variance": 0.0,
-        "groups_too_small": 0,
-        "trajectories": len(rewards),
-        "trajectories_kept": len(scored),
-        "reward_mean": reward_mean,
-        "reward_std": reward_std,
-        "teacher_kl": -math.fsum(gaps) / len(gaps) if gaps else 0.0,
-        "teacher_tokens": len(gaps),
-    }
-    return scored, stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,11 +137,6 @@ def build_sequences(
     return _build(trajectory, advantage, traj_index, retokenize)[0]
 
 
-TokenAdvantages = Callable[[int, int, SampledTurn], list[float]]
-"""(trajectory index in `scored`, history index in `histories()`, turn) -> one advantage per
-completion token of the turn: per-token advantages (distillation, per-turn credit)."""
-
-
 def _build(trajectory: Trajectory, advantage: float, traj_index: int,
            retokenize: Retokenize | None,
            per_token: TokenAdvantages | None = None) -> tuple[list[Sequence], list[_HistoryBuild]]:
@@ -274,7 +150,7 @@ def _build(trajectory: Trajectory, advantage: float, traj_index: int,
 
     if retokenize is None:
         raise ValueError(
-            f"trajectory {traj_index} ({_describe(trajectory)}) has no sampled turns: none of its "
+            f"trajectory {traj_index} ({describe(trajectory)}) has no sampled turns: none of its "
             "assistant messages carries the token ids the engine produced, so there is nothing to "
             "train on exactly. Record rollouts through the gateway, or set "
             "TrainConfig.allow_retokenize=True to render it through the chat template instead."
@@ -286,7 +162,7 @@ def _build(trajectory: Trajectory, advantage: float, traj_index: int,
     ]
     if not sequences:
         raise ValueError(
-            f"trajectory {traj_index} ({_describe(trajectory)}) has no sampled turns and the "
+            f"trajectory {traj_index} ({describe(trajectory)}) has no sampled turns and the "
             "re-tokenizing fallback produced no sequence from it"
         )
     return sequences, []
@@ -320,7 +196,7 @@ def build_all_sequences(
     sequences: list[Sequence] = []
     builds: list[_HistoryBuild] = []
     n_trajectories = n_retokenized = 0
-    per_token = _teacher_token_advantages if teacher else token_advantages
+    per_token = teacher_token_advantages if teacher else token_advantages
     for traj_index, (trajectory, advantage) in enumerate(scored):
         n_trajectories += 1
         built, histories = _build(trajectory, advantage, traj_index, retokenize, per_token)
@@ -428,26 +304,6 @@ def _sampler_logprobs(turn: SampledTurn) -> list[float]:
     return list(turn.logprobs[:k]) + [math.nan] * (len(turn.logprobs) - k)
 
 
-def _teacher_gaps(turn: SampledTurn) -> list[float]:
-    """teacher_logprob - sampler_logprob of the turn's distilled tokens: all of them up to
-    `constrained_from`. A grammar-chosen token's sampler logprob is of the masked distribution
-    (`_sampler_logprobs`), so the gap would measure the mask, not the student: not distilled."""
-    assert turn.teacher_logprobs is not None
-    k = len(turn.logprobs) if turn.constrained_from is None else turn.constrained_from
-    return [t - s for t, s in zip(turn.teacher_logprobs[:k], turn.logprobs[:k], strict=True)]
-
-
-def _teacher_token_advantages(traj_index: int, _history: int, turn: SampledTurn) -> list[float]:
-    """The per-token advantage of each completion token of the turn: its gap, 0 where it is
-    not distilled (the token still trains at ratio 1, with no push either way)."""
-    if turn.teacher_logprobs is None:
-        raise ValueError(
-            f"trajectory {traj_index}: the sampled turn of message {turn.message_index} "
-            "has no teacher_logprobs (score it with art_core.distill.score_with_teacher)")
-    gaps = _teacher_gaps(turn)
-    return gaps + [0.0] * (len(turn.logprobs) - len(gaps))
-
-
 def _coerce(item: Any, advantage: float, traj_index: int) -> Sequence:
     """A re-tokenizer's item (Sequence, mapping or object with token_ids/mask) as a Sequence."""
 
@@ -476,15 +332,6 @@ def _coerce(item: Any, advantage: float, traj_index: int) -> Sequence:
         has_old_logprobs=has_old,
         retokenized=True,
     )
-
-
-def _describe(trajectory: Trajectory) -> str:
-    """A short identification for error messages (trajectories have no id of their own)."""
-    n_assistant = sum(m.get("role") == "assistant" for m in trajectory.messages)
-    parts = [f"reward={trajectory.reward}", f"{n_assistant} assistant messages"]
-    if trajectory.metadata:
-        parts.append(f"metadata={trajectory.metadata}")
-    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------

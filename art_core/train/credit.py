@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from art_core.train.batch import TokenAdvantages, _mean_std
+from art_core.train.advantages import TokenAdvantages, mean_std
 from art_core.trajectory import ZERO_VARIANCE_TOL, SampledTurn, Trajectory
 
 
@@ -102,7 +102,7 @@ def turn_advantages(groups: Iterable[Iterable[Trajectory]]
     def token_advantages(traj_index: int, history: int, turn: SampledTurn) -> list[float]:
         return [per_turn[(traj_index, history, turn.message_index)]] * len(turn.logprobs)
 
-    mean, std = _mean_std(all_rewards) if all_rewards else (0.0, 0.0)
+    mean, std = mean_std(all_rewards) if all_rewards else (0.0, 0.0)
     stats: dict[str, float] = {
         "groups": n_groups, "groups_zero_variance": n_zero,
         "frac_groups_zero_variance": n_zero / n_groups if n_groups else 0.0,

@@ -3,9 +3,9 @@
 The algorithm of `Trainer.step(groups, config)`:
 
 1. advantages: A = (reward - group mean) / group std; zero-variance groups are dropped and
-   counted (batch.compute_advantages). Or, with `advantage="teacher"` (on-policy distillation),
+   counted (advantages.compute_advantages). Or, with `advantage="teacher"` (on-policy distillation),
    per token A_t = teacher logprob - sampler logprob of each sampled token, every trajectory
-   kept (batch.teacher_advantages): the same loss then pulls the student towards the teacher.
+   kept (advantages.teacher_advantages): the same loss then pulls the student towards the teacher.
    Or, with `advantage="turn"`, per turn: its return-to-go against the other trajectories of
    the group at the same turn (credit.turn_advantages), given to each of its tokens.
 2. sequences: the exact token ids the engine sampled, masked to the sampled completion tokens,
@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from art_core.config import LoraConfig, TrainConfig
 from art_core.host import cpu_supports_bf16
 from art_core.sft.render import assistant_mask_tokens
+from art_core.train import advantages as A
 from art_core.train import batch as B
 from art_core.train import packing as P
 from art_core.train.credit import turn_advantages
@@ -167,11 +168,11 @@ class Trainer:
         teacher = config.advantage == "teacher"
         per_token = None
         if teacher:
-            scored, stats = B.teacher_advantages(groups)
+            scored, stats = A.teacher_advantages(groups)
         elif config.advantage == "turn":
             scored, stats, per_token = turn_advantages(groups)
         else:
-            scored, stats = B.compute_advantages(groups, config.scale_rewards)
+            scored, stats = A.compute_advantages(groups, config.scale_rewards)
         retokenize = self._retokenize if config.allow_retokenize else None
         sequences, seq_metrics = B.build_all_sequences(scored, retokenize=retokenize,
                                                        teacher=teacher, token_advantages=per_token)

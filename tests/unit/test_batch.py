@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from art_core.train.advantages import compute_advantages  # noqa: E402
 from art_core.train.batch import (  # noqa: E402
     Sequence,
     build_all_sequences,
     build_sequences,
     collate,
-    compute_advantages,
     micro_batches,
     shift_for_next_token,
     with_token_weights,

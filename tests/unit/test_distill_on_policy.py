@@ -15,6 +15,7 @@ import torch
 
 from art_core import LoraConfig, Model, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.distill import TeacherError, score_with_teacher
+from art_core.train import advantages as A
 from art_core.train import batch as B
 from art_core.train import packing as P
 from art_core.train.trainer import Trainer
@@ -38,7 +39,7 @@ def trajectory(*turns: dict, reward: float = 0.0) -> Trajectory:
 
 def test_sequences_carry_teacher_minus_sampler_per_token():
     t = trajectory(turn([5, 6, 7], [8, 9, 10], [-1.0, -2.0, -0.5], [-0.5, -3.0, -0.5]))
-    scored, stats = B.teacher_advantages([[t], [t.model_copy()]])  # one-trajectory groups too
+    scored, stats = A.teacher_advantages([[t], [t.model_copy()]])  # one-trajectory groups too
     assert len(scored) == 2 and stats["trajectories_kept"] == 2  # nothing is dropped
     assert stats["groups_zero_variance"] == 0
     assert stats["teacher_tokens"] == 6
@@ -56,7 +57,7 @@ def test_sequences_carry_teacher_minus_sampler_per_token():
 def test_grammar_chosen_tokens_are_not_distilled():
     t = trajectory(turn([5, 6], [8, 9, 10], [-1.0, -0.1, -0.1], [-0.5, -4.0, -4.0],
                         constrained_from=1))
-    scored, stats = B.teacher_advantages([[t]])
+    scored, stats = A.teacher_advantages([[t]])
     assert stats["teacher_tokens"] == 1 and stats["teacher_kl"] == pytest.approx(-0.5)
     sequences, _ = B.build_all_sequences(scored, teacher=True)
     assert sequences[0].token_advantages == [0.0, 0.0, 0.5, 0.0, 0.0]
@@ -66,7 +67,7 @@ def test_packed_rows_keep_each_sequences_token_advantages():
     prompt = list(range(1, 21))  # a shared prefix longer than packing.MIN_SHARED
     ts = [trajectory(turn(prompt, [30 + i, 40 + i], [-1.0, -1.0], [-1.0 + i, -2.0]))
           for i in range(2)]
-    sequences, _ = B.build_all_sequences(B.teacher_advantages([ts])[0], teacher=True)
+    sequences, _ = B.build_all_sequences(A.teacher_advantages([ts])[0], teacher=True)
     rows = P.share_prefixes(B.with_token_weights(sequences), max_tokens=1000)
     assert len(rows) == 1 and isinstance(rows[0], P.Packed)
     batch = P.collate(rows, pad_id=0)
@@ -79,7 +80,7 @@ def test_a_trajectory_without_teacher_logprobs_is_an_error(turns):
     t = Trajectory(messages=[{"role": "user", "content": "q"},
                              {"role": "assistant", "content": "a"}], turns=turns)
     with pytest.raises(ValueError, match="score_with_teacher"):
-        B.teacher_advantages([[t]])
+        A.teacher_advantages([[t]])
 
 
 def test_teacher_logprobs_are_validated():

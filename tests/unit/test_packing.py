@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from art_core import LoraConfig, TrainConfig
+from art_core.train import advantages as A
 from art_core.train import batch as B
 from art_core.train import packing as P
 from art_core.train.loss import grpo_loss
@@ -133,7 +134,7 @@ def agent_group(tokenizer, n: int = 4, system: str = SYSTEM) -> TrajectoryGroup:
 
 
 def group_sequences(tokenizer, system: str = SYSTEM) -> list[B.Sequence]:
-    scored, _ = B.compute_advantages([agent_group(tokenizer, system=system)], scale_rewards=True)
+    scored, _ = A.compute_advantages([agent_group(tokenizer, system=system)], scale_rewards=True)
     sequences, _ = B.build_all_sequences(scored)
     return B.with_token_weights(sequences)
 
