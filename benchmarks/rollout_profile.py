@@ -41,7 +41,7 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "gener
 HISTOGRAMS = ("e2e_request_latency_seconds", "time_to_first_token_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds",
               "request_queue_time_seconds")
-LINE = re.compile(r"^vllm:([a-z_]+?)(_total|_sum|_count)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+LINE = re.compile(r"^vllm:([a-z0-9_]+?)(_total|_sum|_count)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def read_metrics(text: str) -> dict[str, float]:
