@@ -256,10 +256,9 @@ async def test_crash_fails_its_rollout_hang_is_cut_and_the_gather_goes_on(
             async with connect(test_server) as session:
                 return await run_agent(model, session, task, config=cfg)
 
-        start = time.perf_counter()
+        # a hang is cut by tool_timeout_s (asserted below); pytest-timeout catches a real hang
         groups = await gather_trajectory_groups([[one("crash"), one("hang"), one("echo")]],
                                                 max_exceptions=1, show_progress=False)
-        assert time.perf_counter() - start < 60  # never hangs
         with pytest.raises(GatherError):
             await gather_trajectory_groups([[one("crash")]], show_progress=False)
     (group,) = groups
