@@ -385,10 +385,10 @@ class VLLMEngine:
             raise EngineError(f"{name} is not loaded")
         return self._mw.deltas[name]
 
-    def prompt_logprobs(self, name: str, token_ids: list[int]) -> list[float]:
+    def prompt_logprobs(self, name: str | None, token_ids: list[int]) -> list[float]:
         """vLLM's logprob of each of `token_ids` after the first, given the ones before it,
-        under adapter `name` as it is served now (the served-policy check). Straight to vLLM,
-        not through the gateway's gate, one request alone."""
+        under adapter `name` (None: the base) as it is served now (the served-policy check).
+        Straight to vLLM, not through the gateway, one request alone."""
         out = self._post("/v1/completions", {
             "model": self.upstream_name(name), "prompt": token_ids, "max_tokens": 1,
             "prompt_logprobs": 0})  # raw (temperature 1) logprobs, as the trainer's
@@ -403,6 +403,20 @@ class VLLMEngine:
             values.append(max(float(entry.get("logprob", -9999.0)), -9999.0))
         return values
 
+    def next_logprobs(self, name: str | None, token_ids: list[int], k: int = 5
+                      ) -> dict[int, float]:
+        """The top-`k` logprobs of one greedy token generated after `token_ids` under adapter
+        `name` (None: the base), by token id: a generated token goes through vLLM's prefix
+        cache, prompt logprobs do not (the served-policy check's next-token part)."""
+        out = self._post("/v1/completions", {
+            "model": self.upstream_name(name), "prompt": token_ids, "max_tokens": 1,
+            "temperature": 0.0, "logprobs": k, "return_tokens_as_token_ids": True})
+        try:
+            top = out["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {int(t.rpartition(":")[2]): float(v) for t, v in top.items()}
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"vLLM gave no top logprobs for the next token ({e!r})") from None
+
     def load_base(self) -> None:
         """With merged weights, load the base model's delta LoRA (-B_n A_n) if it is not."""
         self.wait_ready()
@@ -415,8 +429,8 @@ class VLLMEngine:
         restart: the restart reloads only what `adapters` still lists."""
         if name == self.merged:
             return  # the merged weights stay until replaced
-        with self._adapters_lock:
-            known = self.adapters.pop(name, None) is not None
+        with self._adapters_lock:  # the base's delta is not in `adapters`
+            known = self.adapters.pop(name, None) is not None or name in self._mw.deltas
         upstream = self._mw.forget(name)
         if known and self.state == "ready" and self.running:
             with contextlib.suppress(EngineError, httpx.HTTPError):

@@ -277,25 +277,66 @@ class Gateway:
     async def _loaded(self, engine: VLLMEngine, name: str | None, path: Path | None,
                       requested: str) -> str:
         """The name vLLM serves adapter `name` (None: the base) under, loaded first if it is
-        not (unloaded, lost in a restart, or a delta from merged weights not built yet)."""
+        not (unloaded, lost in a restart, or a delta from merged weights not built yet). A
+        delta built here is checked before it serves (`_check_delta`)."""
         if self._load_lock is None:
             self._load_lock = asyncio.Lock()
         try:
+            built = False
             if name is not None and name not in engine.adapters:
                 async with self._load_lock:
-                    await asyncio.to_thread(engine.load_adapter, name, path)
+                    if name not in engine.adapters:
+                        await asyncio.to_thread(engine.load_adapter, name, path)
+                        built = engine.merged not in (None, name)
             upstream = engine.upstream_name(name)
             if upstream is None:  # the base, beside merged weights
                 async with self._load_lock:
-                    await asyncio.to_thread(engine.load_base)
+                    if engine.upstream_name(name) is None:
+                        await asyncio.to_thread(engine.load_base)
+                        built = True
                 upstream = engine.upstream_name(name)
             if upstream is None:
                 raise EngineError("its delta from the merged weights did not load")
+            if built:
+                await self._check_delta(engine, name, path, requested)
             return upstream
         except EngineError as e:
             raise GatewayError(503, f"The model '{requested}' cannot be loaded right now: "
                                f"{str(e).splitlines()[0]}", "model",
                                {"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    async def _check_delta(self, engine: VLLMEngine, name: str | None, path: Path | None,
+                           requested: str) -> None:
+        """The served-policy check of a delta LoRA beside merged weights, the first time it
+        serves after a merge (art_core/inference/policy_check.py): `name@k` against step k's
+        probe, the base (`name` None) against the merged step's `base_logprobs`. Alone in vLLM
+        (lora_turns.py). On a mismatch the delta is unloaded, the model's health is degraded,
+        and the request is answered 500 naming it."""
+        merged = engine.merged or ""
+        owner = self.models.get((name or merged).rpartition("@")[0])
+        checkpoint = path if name is not None else Path(engine.adapters.get(merged, ""))
+        if owner is None or owner.policy_tolerance is None or checkpoint is None:
+            return
+        release = await self.turns.admit(engine, None)
+        try:
+            metrics = await asyncio.to_thread(
+                check_served, engine, name or engine.served_name, checkpoint,
+                owner.policy_tolerance, base=name is None, next_token=False,
+                after=f"not served (a delta from the merged {merged}); asked as '{requested}'")
+        except (EngineError, ValueError, OSError) as e:  # could not ask: not a mismatch
+            log.warning("%s: the served-policy check could not run (%s)", requested,
+                        str(e).splitlines()[0])
+            return
+        except PolicyMismatch as e:
+            log.error("%s", e)
+            owner.policy_error = str(e)
+            with contextlib.suppress(EngineError):
+                await asyncio.to_thread(engine.unload_adapter, name or engine.served_name)
+            raise GatewayError(500, str(e), "model") from None
+        finally:
+            release()
+        log.info("%s: the delta beside %s passed the served-policy check (mean |diff| %.1e)",
+                 name or engine.served_name, merged, metrics.get("policy_check_mean_abs", 0.0))
 
     async def wait_gate(self) -> None:
         gate, _ = self._events()

@@ -11,11 +11,13 @@ latest step *is* the base weights and every other name (an older step, the base 
 second model) a delta LoRA: any evaluation or judge beside the rollouts would sample them from
 a policy nobody trained. The served-policy check cannot see it (its probe runs alone).
 
-The algorithm, per engine: a request is "base" (vLLM's served name: no adapter) or "lora".
-One class runs at a time. A request of the running class joins it unless a request of the other
-class waits (so neither starves); otherwise it waits until the running class has drained, and
-then the waiting class runs. CUDA engines are not affected (their Triton kernels skip index -1)
-and never wait.
+The algorithm, per engine: a request is "base" (vLLM's served name: no adapter) or "lora"; the
+served-policy check of a delta first served is "alone" (prompt logprobs through a LoRA crash
+vLLM-CPU when batched, art_core/inference/policy_check.py). One class runs at a time, and
+"alone" one request at a time. A request of the running class joins it unless a request of
+another class waits (so none starves); otherwise it waits until the running class has drained,
+and then a waiting class runs. CUDA engines are affected by neither bug (their Triton kernels skip index -1) and
+never wait.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-BASE, LORA = "base", "lora"
+BASE, LORA, ALONE = "base", "lora", "alone"
+CLASSES = (BASE, LORA, ALONE)
 
 
 @dataclass
@@ -38,22 +41,23 @@ class _Turns:
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
     running: str | None = None
     count: int = 0
-    waiting: dict[str, int] = field(default_factory=lambda: {BASE: 0, LORA: 0})
+    waiting: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     waits: int = 0  # requests that had to wait for the other class (a measure of the cost)
 
     def settle(self, last: str) -> None:
-        """Nothing runs: the class that waits gets the turn (the other than `last` first)."""
+        """Nothing runs: a class that waits gets the turn (`last` after the others)."""
         if self.count == 0:
-            other = LORA if last == BASE else BASE
-            self.running = next((c for c in (other, last) if self.waiting[c]), None)
+            order = [c for c in CLASSES if c != last] + [last]
+            self.running = next((c for c in order if self.waiting[c]), None)
 
     def may_start(self, cls: str) -> bool:
-        if self.running is None:
-            return True
-        if self.running != cls:
+        if self.running not in (None, cls):
             return False
-        other = LORA if cls == BASE else BASE
-        return self.count == 0 or not self.waiting[other]  # a hand-off, or joining
+        if self.count == 0:  # nothing runs, or a hand-off to this class
+            return True
+        if cls == ALONE:
+            return False
+        return not any(self.waiting[c] for c in CLASSES if c != cls)  # joining
 
 
 class LoraTurns:
@@ -67,16 +71,16 @@ class LoraTurns:
         turns = self._turns.get(id(engine))
         return turns.waits if turns else 0
 
-    async def admit(self, engine: Any, upstream: str) -> Callable[[], None]:
-        """Wait until a request for vLLM name `upstream` on `engine` may run; the function to
-        call (once) when it has ended."""
+    async def admit(self, engine: Any, upstream: str | None) -> Callable[[], None]:
+        """Wait until a request for vLLM name `upstream` on `engine` may run (None: a request
+        that must run alone); the function to call (once) when it has ended."""
         if getattr(engine, "cuda", False):
             return _nothing
-        cls = BASE if upstream == engine.served_name else LORA
+        cls = ALONE if upstream is None else BASE if upstream == engine.served_name else LORA
         turns = self._turns.setdefault(id(engine), _Turns())
         async with turns.cond:
             if not turns.may_start(cls):
-                if turns.waits == 0:
+                if turns.waits == 0 and cls != ALONE:
                     log.info("%s: requests for LoRA adapters and for the base weights take "
                              "turns on this CPU engine (vLLM-CPU adds the last adapter slot to "
                              "a request without one batched beside it, vllm PR #48421)",

@@ -89,8 +89,12 @@ class MergedWeights:
         return names
 
     def forget(self, name: str) -> str:
-        """Forget `name`'s delta; the vLLM name to unload."""
-        return self.deltas.pop(name, name)
+        """Forget `name`'s delta and its files (built again if asked for); the vLLM name to
+        unload."""
+        upstream = self.deltas.pop(name, name)
+        if self._root is not None and upstream != name:
+            shutil.rmtree(self._root / upstream.replace("/", "_"), ignore_errors=True)
+        return upstream
 
     def lost(self) -> None:
         """The merged step could not be merged again after a restart: vLLM has the base."""

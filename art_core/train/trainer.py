@@ -89,10 +89,21 @@ class Trainer:
     def save_probe(self, out_dir: Path) -> None:
         """The served-policy check's manifest (art_core/train/probe.py): the probe's token ids
         and this adapter's logprobs of them, in `out_dir/probe.json`."""
-        from art_core.train.probe import probe_logprobs, probe_token_ids, write_probe
+        from art_core.train.probe import (
+            next_prompt,
+            next_token,
+            probe_logprobs,
+            probe_token_ids,
+            write_probe,
+        )
 
         ids = probe_token_ids(self.tokenizer)
-        write_probe(out_dir, ids, probe_logprobs(self.model, ids, self.device))
+        trained = probe_logprobs(self.model, ids, self.device)
+        with self.model.disable_adapter():
+            base = probe_logprobs(self.model, ids, self.device)
+        long = next_prompt(ids)
+        write_probe(out_dir, ids, trained, base_logprobs=base, next_ids=long,
+                    next_=next_token(self.model, long, self.device))
 
     def load_adapter(self, adapter_dir: Path) -> None:
         from peft import set_peft_model_state_dict

@@ -67,12 +67,16 @@ def config(serve_merged: bool | None = None) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-async def policy(backend, tiny_models) -> TrainableModel:
-    """On the session's tiny llama engine: merged weights (the CPU default)."""
-    model = TrainableModel(name="policy-tiny", project="policy",
-                           base_model=str(tiny_models["llama"]), config=config())
+async def policy(backend, tmp_path_factory) -> AsyncIterator[TrainableModel]:
+    """Merged weights (the CPU default), on an engine of its own so that this model owns the
+    merged weights (on a shared engine the first model published does, and every other is a
+    delta)."""
+    base = str(build_tiny_model(tmp_path_factory.mktemp("policy-merged") / "llama", "llama"))
+    model = TrainableModel(name="policy-tiny", project="policy", base_model=base,
+                           config=config())
     await model.register(backend)
-    return model
+    yield model
+    await release_engine(backend, base)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +123,11 @@ async def test_a_normal_step_passes_the_check(backend, policy):
     result = await policy.train(await groups(policy), CONFIG)
     m = result.metrics
     print(f"policy check: mean |diff| {m['policy_check_mean_abs']:.2e}, max "
-          f"{m['policy_check_max_abs']:.2e}, {1000 * m['policy_check_seconds']:.0f} ms")
+          f"{m['policy_check_max_abs']:.2e}, next token {m['policy_check_next_abs']:.2e}, "
+          f"{1000 * m['policy_check_seconds']:.0f} ms")
     assert m["policy_checked"] == 1.0 and m["policy_check_mean_abs"] < TOLERANCE
+    assert m["policy_check_next_abs"] < TOLERANCE
+    assert backend._engines[policy.base_model].merged == f"{policy.name}@{result.step}"
     assert await served_step(policy) == f"{policy.name}@{result.step}"
     assert (await health(backend))["status"] == "ok"
 
@@ -162,3 +169,74 @@ async def check_spoiled(backend, policy: TrainableModel, spoil) -> None:
     assert await served_step(policy) == f"{policy.name}@{good.step}"
     assert (await health(backend))["status"] == "ok"
     assert torch.isfinite(torch.tensor(good.metrics["loss"]))
+
+
+def engine_calls(backend, policy: TrainableModel, monkeypatch, skip: str, answer: dict) -> None:
+    """vLLM's route `skip` answered `answer` without reaching vLLM, for this engine's merged
+    weights (a merge that did not happen; a prefix cache not reset after the reload)."""
+    mw = backend._engines[policy.base_model]._mw
+    post = mw._post
+    monkeypatch.setattr(mw, "_post", lambda route, body: answer if route == skip else
+                        post(route, body))
+
+
+async def check_refused_then_recovers(backend, policy: TrainableModel, monkeypatch,
+                                      match: str) -> None:
+    before = await policy.get_step()
+    with pytest.raises(PolicyMismatch, match=match):
+        await policy.train(await groups(policy), CONFIG)
+    assert await served_step(policy) == f"{policy.name}@{before}"
+    assert (await health(backend))["status"] == "degraded"
+    monkeypatch.undo()
+    good = await policy.train(await groups(policy), CONFIG)
+    assert good.metrics["policy_checked"] == 1.0
+    assert (await health(backend))["status"] == "ok"
+
+
+async def test_merged_a_merge_that_did_not_happen_fails_the_check(backend, policy, monkeypatch):
+    """vLLM's worker says it merged and merged nothing: the previous step's weights serve."""
+    await policy.train(await groups(policy), CONFIG)
+    engine_calls(backend, policy, monkeypatch, "/collective_rpc", {"results": [{"loaded": True}]})
+    await check_refused_then_recovers(backend, policy, monkeypatch,
+                                      rf"{policy.name}@\d+: what vLLM serves does not match")
+
+
+async def test_merged_a_prefix_cache_not_reset_fails_the_check(backend, policy, monkeypatch):
+    """The merge took but KV blocks cached under the previous weights were kept (vllm #42125's
+    class): the prompt logprobs (no prefix cache) match, the next token does not."""
+    await policy.train(await groups(policy), CONFIG)  # its check cached the long probe's blocks
+    engine_calls(backend, policy, monkeypatch, "/reset_prefix_cache", {})
+    await check_refused_then_recovers(backend, policy, monkeypatch,
+                                      r"what vLLM generates does not match.*prefix-cache")
+
+
+async def test_merged_a_delta_built_against_the_wrong_step_is_refused_when_first_served(
+        backend, policy):
+    """Beside merged step k, step k-1 and the base by name are delta LoRAs built when first
+    asked for; built against the wrong merged weights, each fails its first-serve check: the
+    request is answered 500 naming it, the model's health is degraded, nothing else changes.
+    Built right, they serve."""
+    step = (await policy.train(await groups(policy), CONFIG)).step
+    engine = backend._engines[policy.base_model]
+    assert engine.merged == f"{policy.name}@{step}"
+    right = engine._mw.path
+    engine._mw.path = str(backend.checkpoint_dir(policy, step - 1))  # the wrong merged step
+    names = [f"{policy.name}@{step - 1}", engine.served_name]
+    async with httpx.AsyncClient(timeout=120) as c:
+        async def ask(name: str) -> httpx.Response:
+            return await c.post(f"{policy.base_url}/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+
+        try:
+            for name in names:
+                r = await ask(name)
+                assert r.status_code == 500, r.text
+                assert "what vLLM serves does not match" in r.json()["error"]["message"]
+        finally:
+            engine._mw.path = right
+        assert (await health(backend))["status"] == "degraded"
+        assert await served_step(policy) == f"{policy.name}@{step}"
+        for name in names:  # built again, right this time
+            r = await ask(name)
+            assert r.status_code == 200, r.text

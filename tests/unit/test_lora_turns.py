@@ -136,3 +136,25 @@ async def test_engines_are_independent_and_cuda_never_waits():
         (await asyncio.wait_for(turns.admit(engine, upstream), 1))()
     held()
     assert turns.waits(cpu) == turns.waits(other) == turns.waits(gpu) == 0
+
+
+async def test_alone_waits_for_a_quiet_engine_and_runs_by_itself():
+    """The served-policy check of a delta (upstream None) runs with nothing else in vLLM."""
+    turns, engine, hold = LoraTurns(), Engine(), asyncio.Event()
+    log = Log()
+    busy = asyncio.create_task(log.request(turns, engine, LORA, "lora-1", hold))
+    await settle()
+    alone = asyncio.create_task(turns.admit(engine, None))
+    await settle()
+    later = asyncio.create_task(log.request(turns, engine, LORA, "lora-2"))
+    second_alone = asyncio.create_task(turns.admit(engine, None))
+    await settle()
+    assert not alone.done() and log.order == ["lora-1"]  # the LoRA behind it queues too
+    hold.set()
+    release = await asyncio.wait_for(alone, 5)
+    await settle()
+    assert log.order == ["lora-1"] and not second_alone.done()  # one alone at a time
+    release()
+    (await asyncio.wait_for(second_alone, 5))()
+    await asyncio.wait_for(asyncio.gather(busy, later), 5)
+    assert log.order == ["lora-1", "lora-2"]

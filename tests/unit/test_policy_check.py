@@ -15,10 +15,12 @@ import pytest
 from art_core import EngineConfig, LoraConfig, TrainConfig
 from art_core.inference.gateway import Gateway
 from art_core.inference.policy_check import PolicyMismatch, check_served, compare
-from art_core.train.probe import PROBE_FILE, write_probe
+from art_core.train.probe import NEXT_PROMPT_LEN, PROBE_FILE, write_probe
 
 IDS = [5, 6, 7, 8, 9]
 TRAINED = [-1.0, -2.0, -0.5, -3.0]
+BASE = [-1.5, -2.5, -1.0, -2.0]
+LONG, NEXT = IDS * 3, (7, -0.25)
 
 
 class ProbeEngine:
@@ -29,6 +31,7 @@ class ProbeEngine:
         self.adapters: dict[str, str] = {}
         self.serve_merged, self.merged = serve_merged, None
         self.shift: dict[str, float] = {}
+        self.next_shift = 0.0
         self.loads: list[tuple[str, bool]] = []
         self.unloads: list[str] = []
 
@@ -42,20 +45,62 @@ class ProbeEngine:
         self.unloads.append(name)
         self.adapters.pop(name, None)
 
-    def prompt_logprobs(self, name: str, token_ids: list[int]) -> list[float] | None:
+    def prompt_logprobs(self, name: str | None, token_ids: list[int]) -> list[float] | None:
         assert token_ids == IDS
+        if name is None:  # the base by name
+            return [x + self.shift.get("base", 0.0) for x in BASE]
         return [x + self.shift.get(name, 0.0) for x in TRAINED]
+
+    def next_logprobs(self, name: str | None, token_ids: list[int]) -> dict[int, float]:
+        assert token_ids == LONG
+        return {NEXT[0]: NEXT[1] + self.next_shift, 3: -2.0}
 
     def served_adapters(self, timeout: float = 2.0) -> set[str]:
         return set(self.adapters)
 
 
-def checkpoint(root: Path, step: int, probe: bool = True) -> Path:
+def checkpoint(root: Path, step: int, probe: bool = True, full: bool = False) -> Path:
     path = root / f"{step:04d}"
     path.mkdir(parents=True)
-    if probe:
+    if probe and full:
+        write_probe(path, IDS, TRAINED, base_logprobs=BASE, next_ids=LONG, next_=NEXT)
+    elif probe:
         write_probe(path, IDS, TRAINED)
     return path
+
+
+@pytest.mark.parametrize(("what", "shift", "ok"), [
+    ("next", 0.0, True), ("next", 0.2, True), ("next", 0.5, False), ("next", -0.5, False),
+    ("base", 0.0, True), ("base", 0.5, False)])
+def test_the_next_token_and_the_base_parts(tmp_path, what, shift, ok):
+    """The next token (through the prefix cache) within 3x the tolerance; the base by name
+    against the probe's base logprobs."""
+    engine, path = ProbeEngine(), checkpoint(tmp_path, 1, full=True)
+    if what == "next":
+        engine.next_shift = shift
+        run = lambda: check_served(engine, "m@1", path, tolerance=0.1)  # noqa: E731
+        error = "what vLLM generates does not match.*prefix-cache blocks"
+    else:
+        engine.shift["base"] = shift
+        run = lambda: check_served(engine, "base", path, tolerance=0.1, base=True)  # noqa: E731
+        error = "base: what vLLM serves does not match"
+    if ok:
+        metrics = run()
+        assert metrics["policy_checked"] == 1.0
+        if what == "next":
+            assert metrics["policy_check_next_abs"] == pytest.approx(abs(shift))
+        else:
+            assert "policy_check_next_abs" not in metrics  # the base has no next-token part
+    else:
+        with pytest.raises(PolicyMismatch, match=error):
+            run()
+
+
+def test_a_probe_without_the_base_part_leaves_the_base_unchecked(tmp_path):
+    engine = ProbeEngine()
+    engine.shift["base"] = 5.0
+    assert check_served(engine, "base", checkpoint(tmp_path, 1), 0.1, base=True) == \
+        {"policy_checked": 0.0}
 
 
 @pytest.mark.parametrize(("shift", "ok"), [(0.0, True), (0.05, True), (0.3, False),
@@ -118,6 +163,9 @@ def test_the_trainer_writes_its_probe_with_the_checkpoint(tiny_models, tmp_path)
     before = json.loads((tmp_path / "a" / PROBE_FILE).read_text())
     assert len(before["logprobs"]) == len(before["token_ids"]) - 1 > 10
     assert all(x < 0 for x in before["logprobs"])
+    assert before["base_logprobs"] == pytest.approx(before["logprobs"])  # B = 0 at the start
+    assert len(before["next"]["token_ids"]) == NEXT_PROMPT_LEN > 256  # two KV blocks and more
+    assert before["next"]["logprob"] < 0
 
     trainer.step([make_group(trainer.tokenizer)], TrainConfig(learning_rate=5e-2, bf16=False))
     trainer.step([make_group(trainer.tokenizer)], TrainConfig(learning_rate=5e-2, bf16=False))
@@ -128,6 +176,9 @@ def test_the_trainer_writes_its_probe_with_the_checkpoint(tiny_models, tmp_path)
     assert after["token_ids"] == before["token_ids"]
     mean, _ = compare(before["logprobs"], after["logprobs"])
     assert mean > 0  # a trained adapter says something else about the same tokens
+    assert after["base_logprobs"] == pytest.approx(before["base_logprobs"], abs=1e-6)
+    assert (after["next"]["token"], after["next"]["logprob"]) != \
+        (before["next"]["token"], before["next"]["logprob"])
     assert trainer.model.training  # the probe leaves the model as it found it
 
 
