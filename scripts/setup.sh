@@ -54,7 +54,8 @@ sky_env() {
 # package bfcl-eval, which pins numpy==1.26.4 and depends on a dozen provider SDKs, sentence-
 # transformers (and so a CUDA torch) among them: it gets its own environment, called through a
 # worker process (benchmarks/bfcl/worker.py). Installed without its declared dependencies, plus
-# exactly what importing its checker needs (measured: ~45 s, ~550 MB), at the versions it pins.
+# exactly what importing its checker needs (measured: ~45 s, ~550 MB), at the versions it pins,
+# and mpmath, which its multi-turn API classes import (MathAPI).
 # Harness mode is tested with an agent program on the `openai` npm package (Node), as strangers
 # write them (tests/engine/test_harness.py); without npm that test is skipped, saying why.
 node_env() {
@@ -76,7 +77,7 @@ bfcl_env() {
         "datamodel-code-generator==0.25.7" "filelock==3.20.0" "anthropic>=0.75.0" \
         "openai>=1.86.0" "google-genai>=1.52.0" "writer-sdk>=2.1.0" qwen-agent soundfile boto3 \
         overrides "tenacity>=8.5.0" "pydantic>=2.8.2" "python-dotenv>=1.0.1" requests tqdm \
-        pandas >>"$LOG" 2>&1 \
+        pandas "mpmath==1.3.0" >>"$LOG" 2>&1 \
         || { echo "[setup] pip install of bfcl-eval's checker imports failed; see $LOG" >&2; exit 1; }
     # the worker with no requests: imports BFCL's checker and exits
     "$VENV-bfcl/bin/python" -I benchmarks/bfcl/worker.py </dev/null >>"$LOG" 2>&1 \

@@ -1,4 +1,5 @@
-"""The client of BFCL's worker (`worker.py`, run in `.venv-bfcl`): items and verdicts.
+"""The client of BFCL's worker (`worker.py`, run in `.venv-bfcl`): items and verdicts, single-
+turn and multi-turn (`multi_turn.py`).
 
 The training environment never imports `bfcl_eval`: one long-lived worker process per
 `BfclWorker` answers JSON lines (its docstring has the protocol). Requests are serialised by a
@@ -7,6 +8,7 @@ lock; a check takes about a millisecond, so rollouts call it directly.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -46,6 +48,59 @@ class Verdict:
     valid: bool
     error_type: str | None = None
     error: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MultiTurnItem:
+    """One BFCL multi-turn entry: its user turns (each a list of messages), the OpenAI tools
+    of its API classes, and the ground truth call strings per turn (only the checker and the
+    tests read them)."""
+
+    id: str
+    turns: list[list[dict[str, Any]]] = field(hash=False, compare=False)
+    tools: list[dict[str, Any]] = field(hash=False, compare=False)
+    classes: tuple[str, ...] = ()
+    ground_truth: list[list[str]] = field(default_factory=list, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class MultiTurnVerdict:
+    """BFCL's multi-turn checker: `valid` is the official all-or-nothing verdict;
+    `turns_passed` the turns that pass in a row from the first (the per-turn signal)."""
+
+    valid: bool
+    turns_passed: int
+    n_turns: int
+    error_type: str | None = None
+    error: str = ""
+
+
+Calls = list[dict[str, str]]
+"""One model step's tool calls as BFCL's FC handler parses them: [{name: arguments JSON}]."""
+
+
+def step_calls(message: dict[str, Any]) -> Calls:
+    """An assistant message's tool calls (OpenAI form) as BFCL's handler parses them."""
+    return [{c["function"]["name"]: c["function"]["arguments"]}
+            for c in message.get("tool_calls") or []]
+
+
+def ground_truth_steps(item: MultiTurnItem) -> list[list[Calls]]:
+    """The ground truth as the model would call it: one call per step, keyword arguments by
+    the tool's parameter order for BFCL's positional ones (`sort('a.pdf')`)."""
+    params = {t["function"]["name"]: list(t["function"]["parameters"].get("properties", {}))
+              for t in item.tools}
+    turns = []
+    for calls in item.ground_truth:
+        steps = []
+        for text in calls:
+            call = ast.parse(text, mode="eval").body
+            assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name), text
+            args = {params[call.func.id][i]: ast.literal_eval(a) for i, a in enumerate(call.args)}
+            args.update({k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg})
+            steps.append([{call.func.id: json.dumps(args)}])
+        turns.append(steps)
+    return turns
 
 
 def worker_python() -> Path:
@@ -122,6 +177,32 @@ class BfclWorker:
         v = self._call({"op": "check", "category": item.category, "id": item.id,
                         "message": {"content": message.get("content"), "tool_calls": calls}})
         return Verdict(valid=v["valid"], error_type=v["error_type"], error=tuple(v["error"]))
+
+    def multi_turn(self, category: str = "multi_turn_base") -> list[MultiTurnItem]:
+        """Every entry of a BFCL multi-turn category, in the package's order."""
+        items = self._call({"op": "mt_load", "category": category})["items"]
+        return [MultiTurnItem(id=i["id"], turns=i["turns"], tools=i["tools"],
+                              classes=tuple(i["classes"]), ground_truth=i["ground_truth"])
+                for i in items]
+
+    def execute(self, item: MultiTurnItem, session: str, calls: Calls
+                ) -> tuple[list[str], list[str]] | None:
+        """Run one model step's calls on the rollout `session`'s API instances: (the call
+        strings BFCL decoded, their results); None when they do not decode (the turn ends)."""
+        out = self._call({"op": "mt_execute", "id": item.id, "session": session,
+                          "calls": calls})
+        return None if out["decoded"] is None else (out["decoded"], out["results"])
+
+    def check_turns(self, item: MultiTurnItem, turns: list[list[Calls]]) -> MultiTurnVerdict:
+        """BFCL's multi-turn verdict on the model's steps per user turn."""
+        v = self._call({"op": "mt_check", "id": item.id, "turns": turns})
+        return MultiTurnVerdict(valid=v["valid"], turns_passed=v["turns_passed"],
+                                n_turns=v["n_turns"], error_type=v["error_type"],
+                                error=v["error"])
+
+    def end_session(self, session: str) -> None:
+        """Free the session's API instances in the worker."""
+        self._call({"op": "mt_close", "session": session})
 
     def close(self) -> None:
         if self._proc.poll() is None:

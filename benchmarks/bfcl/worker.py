@@ -13,6 +13,11 @@ line on stdout:
                                            -> {"ok": true, "valid": bool, "error": [...],
                                                "error_type": str | null}
 
+Multi-turn (`multi_turn.py`, imported from this file's folder): {"op": "mt_load", "category"}
+-> items with their user turns, tools and ground truth; {"op": "mt_execute", "id", "session",
+"calls": [{name: arguments}]} -> {"decoded", "results"}; {"op": "mt_check", "id", "turns"}
+-> {"valid", "turns_passed", "n_turns", "error_type", "error"}; {"op": "mt_close", "session"}.
+
 Every step is BFCL's own code, as its generation and evaluation run an OpenAI-compatible
 Chat Completions model in function-calling mode:
 1. `load_dataset_entry(category)` gives the prompt (the first turn of `question`) and the
@@ -53,6 +58,9 @@ from bfcl_eval.model_handler.api_inference.openai_completion import (  # noqa: E
 )
 from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script's folder out
+from multi_turn import MultiTurn  # noqa: E402
 
 # BFCL scores a model through its registry entry: the handler that parses its responses, and
 # whether its tools had "." in function names replaced by "_" (OpenAI's API forbids "."). Ours
@@ -125,6 +133,7 @@ def _known(category: str) -> None:
 
 def serve(inp: Any, out: Any) -> None:
     bfcl = Bfcl()
+    multi = MultiTurn(bfcl.handler)
     for line in inp:
         if not line.strip():
             continue
@@ -137,8 +146,17 @@ def serve(inp: Any, out: Any) -> None:
                 answer = bfcl.load(req["category"])
             elif op == "check":
                 answer = bfcl.check(req["category"], req["id"], req.get("message") or {})
+            elif op == "mt_load":
+                answer = multi.load(req["category"])
+            elif op == "mt_execute":
+                answer = multi.execute(req["id"], req["session"], req.get("calls") or [])
+            elif op == "mt_check":
+                answer = multi.check(req["id"], req["turns"])
+            elif op == "mt_close":
+                answer = multi.close(req["session"])
             else:
-                raise ValueError(f"unknown op {op!r}: version, load or check")
+                raise ValueError(f"unknown op {op!r}: version, load, check, mt_load, "
+                                 "mt_execute, mt_check or mt_close")
             answer = {"ok": True, **answer}
         except Exception as e:  # noqa: BLE001 - any failure is the request's answer
             tail = traceback.format_exception_only(type(e), e)[-1].strip()

@@ -1,0 +1,113 @@
+"""BFCL multi_turn_base without an engine, through BFCL's own code in the side environment
+(benchmarks/bfcl/multi_turn.py via the worker): the ground truth, called one step at a time as
+a model would (tool calls decoded and run by BFCL on the rollout's own API instances), passes
+BFCL's multi-turn checker 200/200; empty answers fail 200/200; the per-turn signal counts the
+turns that pass in a row; sessions do not share state; bad requests are clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.bfcl.checker import (
+    BfclWorker,
+    MultiTurnItem,
+    ground_truth_steps,
+    step_calls,
+    unavailable_reason,
+)
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=str(unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with BfclWorker() as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def items(worker) -> dict[str, MultiTurnItem]:
+    return {i.id: i for i in worker.multi_turn()}
+
+
+def test_the_category_is_bfcls_200_entries_with_their_tools(items):
+    assert len(items) == 200
+    first = items["multi_turn_base_0"]
+    assert first.classes == ("TwitterAPI", "GorillaFileSystem") and len(first.turns) == 4
+    names = {t["function"]["name"] for t in first.tools}
+    assert {"cd", "mkdir", "mv", "grep", "sort", "diff"} <= names
+    assert all(1 <= len(i.turns) == len(i.ground_truth) <= 7 for i in items.values())
+
+
+def test_the_ground_truth_called_step_by_step_passes_and_empty_answers_fail(worker, items):
+    passed, empty = 0, 0
+    for item in items.values():
+        session = f"truth-{item.id}"
+        turns = ground_truth_steps(item)
+        for turn in turns:
+            for calls in turn:
+                assert worker.execute(item, session, calls) is not None, (item.id, calls)
+        verdict = worker.check_turns(item, turns)
+        passed += verdict.valid and verdict.turns_passed == verdict.n_turns
+        nothing = worker.check_turns(item, [[] for _ in turns])
+        empty += nothing.valid or nothing.turns_passed > 0
+        worker.end_session(session)
+    assert (passed, empty) == (200, 0)
+
+
+def test_turns_pass_in_a_row_from_the_first(worker, items):
+    item = items["multi_turn_base_0"]  # 4 turns, each with calls to make
+    truth = ground_truth_steps(item)
+    table = [  # (the model's turns, valid, turns passed)
+        (truth, True, 4),
+        (truth[:1] + [[], [], []], False, 1),
+        (truth[:2] + [[], []], False, 2),
+        ([[]] + truth[1:], False, 0),  # later turns right after a wrong first: still 0
+    ]
+    for turns, valid, passed in table:
+        v = worker.check_turns(item, turns)
+        assert (v.valid, v.turns_passed, v.n_turns) == (valid, passed, 4), v
+
+
+def test_a_rollout_that_ended_early_is_force_terminated(worker, items):
+    item = items["multi_turn_base_0"]
+    v = worker.check_turns(item, ground_truth_steps(item)[:2])
+    assert not v.valid and v.error_type == "multi_turn:force_terminated"
+
+
+def test_sessions_have_their_own_instances(worker, items):
+    item = items["multi_turn_base_0"]
+    cd = [{"cd": json.dumps({"folder": "document"})}]
+    for session in ("a", "b"):
+        assert worker.execute(item, session, cd) is not None
+    worker.execute(item, "a", [{"mkdir": json.dumps({"dir_name": "made-in-a"})}])
+    _, seen_a = worker.execute(item, "a", [{"ls": "{}"}])
+    _, seen_b = worker.execute(item, "b", [{"ls": "{}"}])
+    assert "made-in-a" in seen_a[0] and "made-in-a" not in seen_b[0]
+    for session in ("a", "b"):
+        worker.end_session(session)
+    _, fresh = worker.execute(item, "a", [{"ls": "{}"}])  # a new session starts at the root
+    assert "made-in-a" not in fresh[0]
+    worker.end_session("a")
+
+
+def test_calls_that_do_not_decode_end_the_turn(worker, items):
+    item = items["multi_turn_base_0"]
+    assert worker.execute(item, "s", []) is None
+    assert worker.execute(item, "s", [{"cd": "{not json"}]) is None
+    message = {"tool_calls": [{"id": "c", "type": "function",
+                               "function": {"name": "cd", "arguments": '{"folder": "x"}'}}]}
+    decoded, results = worker.execute(item, "s", step_calls(message))
+    assert decoded == ["cd(folder='x')"] and len(results) == 1
+    worker.end_session("s")
+
+
+def test_bad_requests_are_clear_errors(worker, items):
+    with pytest.raises(ValueError, match="unknown multi-turn category 'multi_turn_long"):
+        worker.multi_turn("multi_turn_long_context")
+    ghost = MultiTurnItem(id="multi_turn_base_9999", turns=[], tools=[])
+    with pytest.raises(ValueError, match="no multi-turn item 'multi_turn_base_9999'"):
+        worker.check_turns(ghost, [])
