@@ -77,8 +77,10 @@ async def test_generate_scenarios_with_the_gateway_as_generator(agent_model):
                                                        "quantity": {"type": "integer"}}}}}]
     try:
         scenarios = await generate_scenarios(3, tools=tools, generator=agent_model,
-                                             max_attempts=4, batch_size=4)
+                                             max_attempts=1, batch_size=4)
     except ScenarioError as e:  # a 135M generator may not manage: bounded, and says why
+        # one attempt (four were 113 s, and the 135M model gave 0 of 3 in them too): what is
+        # shown is that the gateway's answers reached the generator's checks
         assert "rejected" in str(e)
         pytest.skip(f"the 135M generator gave too few: {e}")
     assert len(scenarios) == 3 and len({s.task for s in scenarios}) == 3

@@ -111,3 +111,68 @@ def test_bad_requests_are_clear_errors(worker, items):
     ghost = MultiTurnItem(id="multi_turn_base_9999", turns=[], tools=[])
     with pytest.raises(ValueError, match="no multi-turn item 'multi_turn_base_9999'"):
         worker.check_turns(ghost, [])
+
+
+class Scripted:
+    """An OpenAI-client stand-in that answers each request with the next scripted tool calls
+    (a list of {name: arguments}), or text when the script says None, in the gateway's
+    response form (sampled ids and logprobs), so the episode's logic is tested without an
+    engine; the real path is tests/engine and benchmarks/bfcl_multiturn.py."""
+
+    def __init__(self, script: list) -> None:
+        self.script, self.asked = list(script), 0
+        self.chat = self
+        self.completions = self
+
+    async def create(self, **request) -> dict:
+        self.asked += 1
+        calls = self.script.pop(0) if self.script else None
+        tool_calls = [{"id": f"c{self.asked}-{k}", "type": "function",
+                       "function": {"name": name, "arguments": args}}
+                      for k, call in enumerate(calls or []) for name, args in call.items()]
+        return {"id": f"r{self.asked}", "prompt_token_ids": [1, 2, 3],
+                "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [4, 5],
+                             "logprobs": {"content": [{"token": "a", "logprob": -0.1},
+                                                      {"token": "b", "logprob": -0.2}]},
+                             "message": {"role": "assistant",
+                                         "content": None if calls else "done",
+                                         "tool_calls": tool_calls or None}}]}
+
+
+def script_of(turns: list[list[list[dict]]]) -> list:
+    """Each turn's steps, then a text answer that ends the turn."""
+    return [step for steps in turns for step in [*steps, None]]
+
+
+@pytest.mark.parametrize(("answer", "passed", "turns_passed"), [
+    ("truth", 1.0, 4), ("first-turn-only", 0.0, 1), ("nothing", 0.0, 0)])
+async def test_an_episode_scores_and_credits_each_user_turn(worker, items, answer, passed,
+                                                            turns_passed):
+    from benchmarks.bfcl.multi_turn_rollout import multi_turn_episode
+
+    item = items["multi_turn_base_0"]
+    truth = ground_truth_steps(item)
+    turns = {"truth": truth, "first-turn-only": truth[:1] + [[]] * 3,
+             "nothing": [[]] * 4}[answer]
+    traj = await multi_turn_episode(Scripted(script_of(turns)), "m", item, worker)
+    assert traj.metrics["passed"] == passed and traj.metrics["turns_passed"] == turns_passed
+    assert traj.reward == pytest.approx(turns_passed / 4)
+    rewarded = [r for r in traj.turn_rewards if r is not None]
+    assert rewarded == [0.25] * turns_passed  # the last call of each turn that passed
+    assert sum(rewarded) == pytest.approx(traj.reward)
+    tool_results = [m for m in traj.messages if m["role"] == "tool"]
+    assert len(tool_results) == sum(len(steps) for steps in turns)  # one per call run
+    assert [m["content"] for m in traj.messages if m["role"] == "user"] == \
+        [t[0]["content"] for t in item.turns]
+
+
+async def test_an_episode_that_never_stops_calling_is_force_terminated(worker, items):
+    from benchmarks.bfcl.multi_turn_rollout import MAX_STEPS, multi_turn_episode
+
+    item = items["multi_turn_base_0"]
+    forever = [[{"pwd": "{}"}]] * 100
+    client = Scripted(forever)
+    traj = await multi_turn_episode(client, "m", item, worker)
+    assert client.asked == MAX_STEPS + 1  # BFCL: more than 20 steps in a turn ends it
+    assert traj.metrics["force_quit"] == 1.0 and traj.metrics["passed"] == 0.0
+    assert traj.reward == 0.0

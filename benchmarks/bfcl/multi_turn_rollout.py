@@ -1,0 +1,82 @@
+"""One BFCL multi-turn episode through our gateway, as BFCL's `inference_multi_turn_FC` runs it,
+recorded as a trainable trajectory and scored by BFCL's multi-turn checker (`multi_turn.py` in
+the worker).
+
+Per user turn: its messages are appended; the model is asked with the entry's tools
+(`tool_choice` left to it, as BFCL's OpenAI handler does); each step's tool calls are decoded
+and run by BFCL on this episode's own API instances and their results come back as tool
+messages; a step without calls that decode ends the turn; a turn of more than BFCL's step limit
+(20) ends the episode, force-terminated. A conversation that outgrows the engine's context ends
+the episode the same way (`context_full`).
+
+Rewards: `reward` = turns passed in a row from the first / turns (the official verdict is
+`metrics["passed"]`); per turn (for `TrainConfig(advantage="turn")`), the last assistant turn
+of each user turn that passed gets 1 / turns, so the per-turn rewards sum to the episode's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from benchmarks.bfcl.checker import BfclWorker, Calls, MultiTurnItem, step_calls
+
+MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT (bfcl_eval.constants.default_prompts)
+
+
+async def multi_turn_episode(client: Any, model: str, item: MultiTurnItem, worker: BfclWorker,
+                             *, temperature: float = 0.0, max_tokens: int = 256) -> Any:
+    """Run `item` with `model` and return its Trajectory, reward and metrics set."""
+    import openai
+
+    from art_core import Trajectory
+
+    traj = Trajectory(messages=[], tools=item.tools)
+    session = f"{item.id}-{uuid.uuid4().hex[:12]}"  # BFCL keys instances by this name
+    turns: list[list[Calls]] = []
+    ends: list[int] = []  # per user turn answered: the index of its last sampled turn
+    stop = ""
+    try:
+        for user_turn in item.turns:
+            traj.messages.extend(dict(m) for m in user_turn)
+            steps: list[Calls] = []
+            while True:
+                try:
+                    response = await client.chat.completions.create(
+                        model=model, messages=traj.messages, tools=item.tools,
+                        temperature=temperature, max_tokens=max_tokens)
+                except openai.BadRequestError as e:
+                    if "context" not in str(e).lower() and "too long" not in str(e).lower():
+                        raise
+                    stop = "context_full"
+                    break
+                message = traj.add_completion(response)
+                calls = step_calls(message)
+                steps.append(calls)
+                ran = await asyncio.to_thread(worker.execute, item, session, calls)
+                if ran is None:
+                    break
+                for call, result in zip(message["tool_calls"], ran[1], strict=False):
+                    traj.messages.append({"role": "tool", "tool_call_id": call["id"],
+                                          "content": result})
+                if len(steps) > MAX_STEPS:
+                    stop = "force_quit"
+                    break
+            if stop:
+                break
+            turns.append(steps)
+            ends.append(len(traj.turns) - 1)
+    finally:
+        await asyncio.to_thread(worker.end_session, session)
+    verdict = await asyncio.to_thread(worker.check_turns, item, turns)
+    n = verdict.n_turns
+    traj.reward = verdict.turns_passed / n
+    for i in range(min(verdict.turns_passed, len(ends))):
+        traj.set_turn_reward(ends[i], 1.0 / n)
+    traj.metrics.update(passed=float(verdict.valid), turns_passed=float(verdict.turns_passed),
+                        turns=float(n), model_calls=float(len(traj.turns)),
+                        context_full=float(stop == "context_full"),
+                        force_quit=float(stop == "force_quit"))
+    traj.metadata.update(id=item.id, error_type=verdict.error_type or "")
+    return traj
