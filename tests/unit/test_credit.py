@@ -156,3 +156,25 @@ def test_a_step_moves_each_turn_by_its_own_credit(tiny_models):
 def test_turn_credit_refuses_gspo():
     with pytest.raises(ValueError, match="advantage='turn' gives one advantage per token"):
         TrainConfig(advantage="turn", loss="gspo")
+
+
+def test_turn_rewards_survive_the_journal_a_resume_and_the_remote_wire(tmp_path):
+    """What a resumed step replays (the journal) and what RemoteBackend sends (the groups' JSON,
+    parsed by the server as TrajectoryGroup) keep each turn's reward, unset ones as unset."""
+    from art_core.storage import ModelDir
+
+    a, b = (Trajectory(messages=conversation(3), turns=turns(3), reward=1.0) for _ in range(2))
+    a.set_turn_reward(0, 0.25)
+    a.set_turn_reward(2, 0.75)
+    b.set_turn_reward(1, -1.0)
+    group = TrajectoryGroup(trajectories=[a, b])
+    want = [[0.25, None, 0.75], [None, -1.0, None]]
+
+    run = ModelDir(tmp_path, "p", "m")
+    run.journal_groups(3, [group])
+    replayed = ModelDir(tmp_path, "p", "m").journaled(3)  # a new process, as after a restart
+    assert replayed is not None
+    assert [t.turn_rewards for t in replayed[0]] == want
+
+    wire = TrajectoryGroup.model_validate_json(group.model_dump_json())  # RemoteBackend's body
+    assert [t.turn_rewards for t in wire] == want
