@@ -49,6 +49,17 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def queued(turns: LoraTurns, engine: Engine, log: Log, hold: asyncio.Event,
+                 *requests: tuple[str, str]) -> list[asyncio.Task]:
+    """The first request runs until `hold` is set; the others arrive after it, in order."""
+    tasks = []
+    for k, (upstream, tag) in enumerate(requests):
+        tasks.append(asyncio.create_task(
+            log.request(turns, engine, upstream, tag, hold if k == 0 else None)))
+        await settle()
+    return tasks
+
+
 @pytest.mark.parametrize("first, second", [(BASE, LORA), (LORA, BASE)])
 async def test_the_other_class_waits_until_the_running_one_drained(first, second):
     turns, engine, log, hold = LoraTurns(), Engine(), Log(), asyncio.Event()
@@ -74,12 +85,8 @@ async def test_a_class_that_runs_joins_freely():
 async def test_neither_class_starves():
     """While a LoRA request waits, newly arriving base requests queue behind it."""
     turns, engine, log, hold = LoraTurns(), Engine(), Log(), asyncio.Event()
-    first = asyncio.create_task(log.request(turns, engine, BASE, "base-1", hold))
-    await settle()
-    lora = asyncio.create_task(log.request(turns, engine, LORA, "lora"))
-    await settle()
-    later = asyncio.create_task(log.request(turns, engine, BASE, "base-2"))
-    await settle()
+    first, lora, later = await queued(turns, engine, log, hold, (BASE, "base-1"),
+                                      (LORA, "lora"), (BASE, "base-2"))
     assert log.order == ["base-1"]
     hold.set()
     await asyncio.gather(first, lora, later)
@@ -88,12 +95,8 @@ async def test_neither_class_starves():
 
 async def test_a_request_cancelled_while_it_waits_leaves_no_one_stuck():
     turns, engine, log, hold = LoraTurns(), Engine(), Log(), asyncio.Event()
-    first = asyncio.create_task(log.request(turns, engine, BASE, "base-1", hold))
-    await settle()
-    lora = asyncio.create_task(log.request(turns, engine, LORA, "lora"))
-    await settle()
-    later = asyncio.create_task(log.request(turns, engine, BASE, "base-2"))
-    await settle()
+    first, lora, later = await queued(turns, engine, log, hold, (BASE, "base-1"),
+                                      (LORA, "lora"), (BASE, "base-2"))
     lora.cancel()  # the base request behind it must not wait for a turn nobody takes
     await settle()
     hold.set()
@@ -104,10 +107,7 @@ async def test_a_request_cancelled_while_it_waits_leaves_no_one_stuck():
 
 async def test_a_turn_handed_to_a_cancelled_class_passes_on():
     turns, engine, log, hold = LoraTurns(), Engine(), Log(), asyncio.Event()
-    first = asyncio.create_task(log.request(turns, engine, BASE, "base-1", hold))
-    await settle()
-    lora = asyncio.create_task(log.request(turns, engine, LORA, "lora"))
-    await settle()
+    first, lora = await queued(turns, engine, log, hold, (BASE, "base-1"), (LORA, "lora"))
     hold.set()
     await first  # the turn is handed to the LoRA class; its one request is cancelled
     lora.cancel()
