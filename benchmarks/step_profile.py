@@ -13,6 +13,8 @@ One step = 8 rollouts per prompt through the gateway, then `model.train` (LocalB
   save               adapter (safetensors, atomic rename) and optimizer moments
   adapter load       vLLM's worker merges W + BA and reloads it in place, the alias flips
                      (publish). With --lora: vLLM loads the new adapter as a runtime LoRA
+  policy check       the served-policy check before the step is published: the probe's prompt
+                     logprobs and one next token asked of vLLM, compared with the trainer's
   gate               closing the gate, draining, reopening, loggers: the rest of train()
 
 The rollout split is by mean per-request latency (requests run concurrently, so the wall time
@@ -66,7 +68,7 @@ from vs_trl import (  # noqa: E402  (a sibling benchmark script, not a package)
 )
 
 PHASES = ["rollout: engine", "rollout: gateway", "rollout: client", "ledger", "tokenization",
-          "forward", "backward", "optimizer", "save", "adapter load", "gate"]
+          "forward", "backward", "optimizer", "save", "adapter load", "policy check", "gate"]
 
 
 class Timeline:
@@ -209,8 +211,10 @@ async def profile_with_engine(args: argparse.Namespace, timeline: Timeline
                 row["rollout: gateway"] = max(gw_mean - vllm_mean, 0.0) * share
                 row["rollout: client"] = max(wall - row["rollout: engine"]
                                              - row["rollout: gateway"], 0.0)
-                row["adapter load"] = result.metrics.get("publish_seconds", 0.0)
-                row["gate"] = max(train_wall - sum(row.get(p, 0.0) for p in PHASES[3:10]), 0.0)
+                check = result.metrics.get("policy_check_seconds", 0.0)
+                row["adapter load"] = max(result.metrics.get("publish_seconds", 0.0) - check, 0.0)
+                row["policy check"] = check
+                row["gate"] = max(train_wall - sum(row.get(p, 0.0) for p in PHASES[3:11]), 0.0)
                 row["_wall"] = wall + train_wall
                 if step >= args.warmup:
                     steps.append(row)
