@@ -151,6 +151,11 @@ class ModelDir:
                 return row
         return None
 
+    def history_row(self, step: int) -> dict[str, Any] | None:
+        """The last history row of `step`, or None."""
+        rows = [r for r in self.read_history() if r.get("step") == step]
+        return rows[-1] if rows else None
+
     def repair_history(self) -> list[int]:
         """Append the history row of every committed step that has none (the process died
         between the commit and the history append); returns those steps."""

@@ -45,7 +45,7 @@ from art_core.failpoints import failpoint
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.gateway import Gateway
 from art_core.inference.gateway_server import GatewayServer
-from art_core.inference.policy_check import PolicyMismatch
+from art_core.inference.policy_check import PolicyMismatch, replayed_mismatch
 from art_core.model import Endpoint, TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
@@ -434,6 +434,11 @@ class LocalBackend:
             if request_id is not None:
                 answered = await asyncio.to_thread(md.answered, request_id)
                 if answered is not None:  # committed before (a retry, or a restarted caller)
+                    mismatch = replayed_mismatch(model.name, answered["step"],
+                                                 await asyncio.to_thread(md.history_row,
+                                                                         answered["step"]))
+                    if mismatch is not None:  # what the first answer said, again
+                        raise mismatch
                     return TrainResult(step=answered["step"],
                                        metrics=answered.get("metrics") or {})
             await asyncio.to_thread(md.check_writable, md.step_bytes())

@@ -131,3 +131,19 @@ def check_served(engine: Any, name: str, checkpoint: Path, tolerance: float, *,
             f"{NEXT_TOLERANCE_FACTOR * tolerance:g}) while the prompt's own logprobs match: "
             f"prefix-cache blocks from earlier weights; {after}", metrics)
     return metrics
+
+
+def replayed_mismatch(name: str, step: int, row: dict[str, Any] | None) -> PolicyMismatch | None:
+    """The failure a retried train request gets when the step it produced was committed but
+    failed the check when it ran (its history row says `policy_mismatch`): the same error as
+    the first answer, never a success."""
+    if not row or not row.get("policy_mismatch"):
+        return None
+    metrics = {k: float(v) for k, v in row.items()
+               if k.startswith("policy_") and isinstance(v, int | float)}
+    mean = metrics.get("policy_check_mean_abs")
+    what = f" (mean |logprob difference| {mean:.3f})" if mean is not None else ""
+    return PolicyMismatch(
+        f"{name}@{step}: this request's step was committed but failed the served-policy check "
+        f"when it ran{what}, so it was not published; its history row says so. Train again "
+        "to publish a step", metrics)

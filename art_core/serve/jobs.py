@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from art_core.backend.local import LocalBackend
 from art_core.base_models import base_model_limits
 from art_core.config import SFTConfig, TrainConfig
+from art_core.inference.policy_check import replayed_mismatch
 from art_core.model import TrainableModel
 from art_core.protocol import REQUEST_ID, error_body
 from art_core.serve.errors import ApiError, validation_message
@@ -151,9 +152,17 @@ class TrainingJobs:
             answered = await asyncio.to_thread(self._answered, project, name, request_id)
             if answered is not None:  # trained before a restart: answer, do not train again
                 async with self._lock(project, name):  # no step of this model appending now
-                    await asyncio.to_thread(self._model_dir(project, name).repair_history)
+                    md = self._model_dir(project, name)
+                    await asyncio.to_thread(md.repair_history)
+                    row = await asyncio.to_thread(md.history_row, answered["step"])
+                mismatch = replayed_mismatch(name, answered["step"], row)
+                if mismatch is not None:  # the first answer was this error: so is the retry's
+                    err = self._client_error(mismatch, f"training {project}/{name}")
+                    answered = {"event": "error", **error_body(err.status, err.message,
+                                                               err.code, err.param)}
                 job = self._add_job(TrainJob(uuid.uuid4().hex, project, name, request_id,
-                                             status="done"), [answered])
+                                             status="failed" if mismatch else "done"),
+                                    [answered])
             else:
                 job = await self._new_job(project, name, request_id, body)
         except BaseException as e:

@@ -154,8 +154,14 @@ async def check_spoiled(backend, policy: TrainableModel, spoil) -> None:
             step = event["step"]
             spoil(backend.checkpoint_dir(policy, step), backend.checkpoint_dir(policy, step - 1))
 
+    request_id = f"spoiled-{policy.name}-{before}"
     with pytest.raises(PolicyMismatch, match=rf"{policy.name}@{before + 1}: what vLLM serves"):
-        await backend.train(policy, data, CONFIG, progress=progress)
+        await backend.train(policy, data, CONFIG, progress=progress, request_id=request_id)
+    # a retry of the same request is told the same, and trains nothing
+    with pytest.raises(PolicyMismatch, match=rf"{policy.name}@{before + 1}: .*failed the "
+                                             "served-policy check when it ran"):
+        await backend.train(policy, data, CONFIG, request_id=request_id)
+    assert await policy.get_step() == before + 1
     assert await served_step(policy) == f"{policy.name}@{before}"
     status = await health(backend)
     assert status["status"] == "degraded" and policy.name in status["policy_mismatch"]

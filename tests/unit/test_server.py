@@ -47,6 +47,12 @@ def light(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     replay = make_fake_run(root, name="fake-replay", steps=3)  # step 2 answered request r-2
     (replay / "requests.jsonl").write_text(json.dumps(
         {"request_id": "r-2", "step": 2, "metrics": {"loss": 0.1}}) + "\n")
+    mismatched = make_fake_run(root, name="fake-mismatch", steps=3)  # r-7 made step 2, which
+    (mismatched / "requests.jsonl").write_text(json.dumps(  # failed the served-policy check
+        {"request_id": "r-7", "step": 2, "metrics": {"loss": 0.1}}) + "\n")
+    (mismatched / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "loss": 0.1},
+        {"step": 2, "loss": 0.1, "policy_mismatch": 1.0, "policy_check_mean_abs": 0.52}]))
     server = start_server(root)
     yield server
     server.stop()
@@ -211,6 +217,20 @@ def test_a_retried_request_answered_before_a_restart_is_not_trained_again(light)
                           "replayed": True}
     r = httpx.post(url, json={"groups": [GOOD_GROUP], "request_id": "r-3"}, headers=auth())
     assert r.status_code == 409  # an unknown request id is a new step: register first
+    assert snapshot(light.root) == before
+
+
+def test_a_retry_of_a_step_that_failed_the_policy_check_fails_the_same_way(light):
+    """Step 2 was committed but not published (its check failed): a retry with its request id
+    is answered with that failure, not with the step as a success, and trains nothing."""
+    before = snapshot(light.root)
+    r = httpx.post(light.url + "/art/v1/models/proj/fake-mismatch/train",
+                   json={"groups": [GOOD_GROUP], "request_id": "r-7"}, headers=auth())
+    events = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    assert events[-1]["event"] == "error", events
+    error = events[-1]["error"]
+    assert error["code"] == "policy_mismatch" and "fake-mismatch@2" in error["message"]
+    assert "0.520" in error["message"] and "not published" in error["message"]
     assert snapshot(light.root) == before
 
 
