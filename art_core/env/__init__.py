@@ -1,10 +1,12 @@
 """Environments people already have, turned into rollouts: TRL-style tool environment classes
 (`tool_rollout`) and reset/step environments (`step_rollout`, with shims for gymnasium,
-TextArena, OpenEnv and reasoning-gym), and agent programs we do not own (`harness_rollout`: a
+TextArena, OpenEnv and reasoning-gym; `OpenEnvSocket` speaks OpenEnv's protocol without its
+package), and agent programs we do not own (`harness_rollout`: a
 base URL per rollout). No third-party package is imported here: the shims duck-type the
 libraries' objects."""
 
 from art_core.env.harness import HarnessError, HarnessRollout, build_trajectory, harness_rollout
+from art_core.env.openenv import OpenEnvSocket
 from art_core.env.steps import (
     EnvFailed,
     GymnasiumText,
@@ -22,6 +24,7 @@ __all__ = [
     "GymnasiumText",
     "HarnessError",
     "HarnessRollout",
+    "OpenEnvSocket",
     "OpenEnvText",
     "ReasoningGymText",
     "Step",
