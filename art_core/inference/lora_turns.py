@@ -45,9 +45,10 @@ class _Turns:
     waits: int = 0  # requests that had to wait for the other class (a measure of the cost)
 
     def settle(self, last: str) -> None:
-        """Nothing runs: a class that waits gets the turn (`last` after the others)."""
+        """Nothing runs: a class that waits gets the turn: a check waiting to run alone first
+        (the delta it checks must not serve before it), `last` after the others."""
         if self.count == 0:
-            order = [c for c in CLASSES if c != last] + [last]
+            order = [ALONE] + [c for c in CLASSES if c not in (last, ALONE)] + [last]
             self.running = next((c for c in order if self.waiting[c]), None)
 
     def may_start(self, cls: str) -> bool:

@@ -158,3 +158,21 @@ async def test_alone_waits_for_a_quiet_engine_and_runs_by_itself():
     (await asyncio.wait_for(second_alone, 5))()
     await asyncio.wait_for(asyncio.gather(busy, later), 5)
     assert log.order == ["lora-1", "lora-2"]
+
+
+async def test_a_waiting_check_goes_before_the_class_that_waited_longer():
+    """A delta's check (alone) waits behind running base requests while a LoRA request for
+    that delta waits too: when the base drains, the check runs first."""
+    turns, engine, log, hold = LoraTurns(), Engine(), Log(), asyncio.Event()
+    (first,) = await queued(turns, engine, log, hold, (BASE, "base"))
+    lora = asyncio.create_task(log.request(turns, engine, LORA, "lora"))
+    await settle()
+    alone = asyncio.create_task(turns.admit(engine, None))
+    await settle()
+    hold.set()
+    release = await asyncio.wait_for(alone, 5)
+    await settle()
+    assert log.order == ["base"] and not lora.done()  # the LoRA request waits for the check
+    release()
+    await asyncio.wait_for(asyncio.gather(first, lora), 5)
+    assert log.order == ["base", "lora"]
