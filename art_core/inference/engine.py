@@ -403,7 +403,7 @@ class VLLMEngine:
             values.append(max(float(entry.get("logprob", -9999.0)), -9999.0))
         return values
 
-    def next_logprobs(self, name: str | None, token_ids: list[int], k: int = 5
+    def next_logprobs(self, name: str | None, token_ids: list[int], k: int = 20
                       ) -> dict[int, float]:
         """The top-`k` logprobs of one greedy token generated after `token_ids` under adapter
         `name` (None: the base), by token id: a generated token goes through vLLM's prefix

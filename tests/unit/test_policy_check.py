@@ -20,7 +20,7 @@ from art_core.train.probe import NEXT_PROMPT_LEN, PROBE_FILE, write_probe
 IDS = [5, 6, 7, 8, 9]
 TRAINED = [-1.0, -2.0, -0.5, -3.0]
 BASE = [-1.5, -2.5, -1.0, -2.0]
-LONG, NEXT = IDS * 3, (7, -0.25)
+LONG, NEXT = IDS * 3, [(7, -0.25), (3, -2.0)]
 
 
 class ProbeEngine:
@@ -53,7 +53,7 @@ class ProbeEngine:
 
     def next_logprobs(self, name: str | None, token_ids: list[int]) -> dict[int, float]:
         assert token_ids == LONG
-        return {NEXT[0]: NEXT[1] + self.next_shift, 3: -2.0}
+        return {7: -0.25 + self.next_shift, 3: -2.0 + self.next_shift, 9: -6.0}
 
     def served_adapters(self, timeout: float = 2.0) -> set[str]:
         return set(self.adapters)
@@ -94,6 +94,13 @@ def test_the_next_token_and_the_base_parts(tmp_path, what, shift, ok):
     else:
         with pytest.raises(PolicyMismatch, match=error):
             run()
+
+
+def test_a_next_token_the_engine_does_not_rank_counts_at_its_lowest_listed():
+    from art_core.inference.policy_check import compare_next
+
+    assert compare_next([(1, -0.5), (2, -1.0)], {1: -0.5, 2: -1.5}) == pytest.approx(0.25)
+    assert compare_next([(1, -0.5), (2, -1.0)], {1: -0.5, 5: -3.0}) == pytest.approx(1.0)
 
 
 def test_a_probe_without_the_base_part_leaves_the_base_unchecked(tmp_path):
@@ -165,7 +172,8 @@ def test_the_trainer_writes_its_probe_with_the_checkpoint(tiny_models, tmp_path)
     assert all(x < 0 for x in before["logprobs"])
     assert before["base_logprobs"] == pytest.approx(before["logprobs"])  # B = 0 at the start
     assert len(before["next"]["token_ids"]) == NEXT_PROMPT_LEN > 256  # two KV blocks and more
-    assert before["next"]["logprob"] < 0
+    top = before["next"]["top"]
+    assert len(top) == 5 and all(b[1] <= a[1] < 0 for a, b in zip(top, top[1:], strict=False))
 
     trainer.step([make_group(trainer.tokenizer)], TrainConfig(learning_rate=5e-2, bf16=False))
     trainer.step([make_group(trainer.tokenizer)], TrainConfig(learning_rate=5e-2, bf16=False))
@@ -177,8 +185,7 @@ def test_the_trainer_writes_its_probe_with_the_checkpoint(tiny_models, tmp_path)
     mean, _ = compare(before["logprobs"], after["logprobs"])
     assert mean > 0  # a trained adapter says something else about the same tokens
     assert after["base_logprobs"] == pytest.approx(before["base_logprobs"], abs=1e-6)
-    assert (after["next"]["token"], after["next"]["logprob"]) != \
-        (before["next"]["token"], before["next"]["logprob"])
+    assert after["next"]["top"] != before["next"]["top"]
     assert trainer.model.training  # the probe leaves the model as it found it
 
 
