@@ -221,9 +221,15 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
 
     async def relay() -> AsyncIterator[bytes]:
         acc = new_stream()
+        done: list[bytes] = []  # the end marker waits for the ledger (see below)
         try:
             async for line in opened.aiter_lines():
                 if not line:
+                    continue
+                if line.strip() == "data: [DONE]":
+                    # a client that reads the ledger right after the stream ends (a recorder,
+                    # a harness) must find the record: it is written before the marker is sent
+                    done.append((line + "\n\n").encode())
                     continue
                 if line.startswith("data: {"):
                     with contextlib.suppress(ValueError):
@@ -254,6 +260,8 @@ async def _stream(gw: Gateway, route: Route, path: str, up: dict[str, Any],
                     if streamed.get("tool_calls"):
                         message["tool_calls"] = streamed["tool_calls"]
                     on_recorded(body, message, dict(rec))
+            for line_bytes in done:
+                yield line_bytes
         except httpx.HTTPError as e:  # vLLM died mid-stream: say so, do not just stop
             yield upstream.sse_error(503, f"the inference engine of {route.engine.served_name!r}"
                                      f" stopped in the middle of this response ({type(e).__name__})"
