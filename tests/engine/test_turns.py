@@ -64,8 +64,24 @@ async def plain_client_agent(model: TrainableModel, seed: int) -> Trajectory:
     return traj
 
 
-async def test_a_four_turn_agent_through_the_plain_client_is_one_sequence(smol):
-    traj = await plain_client_agent(smol, seed=1)
+MCP_TASKS = ("Add 5 pens to the stock, then move them to A3.", "Remove 2 pens from the stock.")
+
+
+@pytest.fixture(scope="module")
+async def agents(smol, tmp_path_factory) -> dict[str, list[Trajectory]]:
+    """Two rollouts of each agent, all six in flight at once (the engine batches them); the
+    tests below check each kind, the last trains all six."""
+    workdir = tmp_path_factory.mktemp("mcp")
+    makers = {"plain": lambda i: plain_client_agent(smol, seed=10 * i + 1),
+              "langgraph": lambda i: langgraph_rollout(smol),
+              "mcp": lambda i: mcp_rollout(smol, workdir / str(i), MCP_TASKS[i])}
+    pairs = await asyncio.gather(*(asyncio.gather(make(0), make(1))
+                                   for make in makers.values()))
+    return {kind: list(pair) for kind, pair in zip(makers, pairs, strict=True)}
+
+
+async def test_a_four_turn_agent_through_the_plain_client_is_one_sequence(smol, agents):
+    traj = agents["plain"][0]
     assert check_against_ledger(traj, smol.base_url) == 4
     assert [t.spliced for t in traj.turns] == [False, True, True, True]
     assert all(t.constrained_from == 0 for t in traj.turns[:3])  # forced: all grammar-chosen
@@ -109,8 +125,8 @@ async def langgraph_rollout(model: TrainableModel) -> Trajectory:
     return await rec.afinish()
 
 
-async def test_a_langgraph_tool_node_agent_is_one_sequence(smol):
-    traj = await langgraph_rollout(smol)
+async def test_a_langgraph_tool_node_agent_is_one_sequence(smol, agents):
+    traj = agents["langgraph"][0]
     n = check_against_ledger(traj, smol.base_url)
     # two forced calls and an answer, unless a call is cut at max_tokens (it then has no
     # tool_calls and the graph ends): at least one tool result between two sampled turns
@@ -127,21 +143,16 @@ async def mcp_rollout(model: TrainableModel, workdir: Path, task: str) -> Trajec
         return await run_agent(model, session, task, config=AgentConfig(max_turns=4))
 
 
-async def test_run_agent_on_the_example_server_is_one_sequence(smol, tmp_path):
-    traj = await mcp_rollout(smol, tmp_path, "Add 5 pens to the stock, then move them to A3.")
+async def test_run_agent_on_the_example_server_is_one_sequence(smol, agents):
+    traj = agents["mcp"][0]
     assert check_against_ledger(traj, smol.base_url) == traj.metrics["turns"] >= 2
     metrics = one_history(traj)
     assert metrics["sequences_per_history"] == 1.0 and metrics["redundant_token_ratio"] == 1.0
 
 
-async def test_the_three_agents_train_as_one_sequence_each_at_ratio_one(smol, tmp_path):
-    makers = (lambda i: plain_client_agent(smol, seed=10 * i),
-              lambda i: langgraph_rollout(smol),
-              lambda i: mcp_rollout(smol, tmp_path / str(i), "Remove 2 pens from the stock."))
-    # all six in flight at once: the engine batches them
-    pairs = await asyncio.gather(*(asyncio.gather(make(0), make(1)) for make in makers))
+async def test_the_three_agents_train_as_one_sequence_each_at_ratio_one(smol, agents):
     groups = []
-    for pair in pairs:
+    for pair in agents.values():
         for reward, t in zip((0.0, 1.0), pair, strict=True):
             t.reward = reward  # any two different rewards: the step must train both
         groups.append(TrajectoryGroup(trajectories=list(pair)))
