@@ -27,7 +27,7 @@ async def example_model(request: pytest.FixtureRequest, backend, name: str, base
     if base == "tiny":
         path = request.getfixturevalue("tiny_models")["llama"]
         model = TrainableModel(name=f"ex-{name}-tiny", project="examples", base_model=str(path),
-                               config=tiny_config(2048))
+                               config=tiny_config())
     else:
         request.getfixturevalue("smollm2_path")
         model = TrainableModel(name=f"ex-{name}", project="examples")
