@@ -10,6 +10,7 @@ ruler_rewards needs a judge that answers, so it runs on SmolLM2 in both, one ste
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -70,3 +71,15 @@ async def test_langgraph_example_cpu_smoke_trains(request, backend, base):
     rewards = await module.train(model, module.CPU_SMOKE)
     assert len(rewards) == module.CPU_SMOKE.steps
     assert await model.get_step() == module.CPU_SMOKE.steps
+
+
+@pytest.mark.parametrize("base", ["tiny", SMOLLM2])
+async def test_calculator_environment_example_cpu_smoke_runs(request, backend, base):
+    """A reasoning-gym task with a tool, as a TRL environment class: held-out accuracy before
+    and after, a step on the groups with signal (the tiny model has none: nothing trained)."""
+    module = load("calculator_env")
+    model = await example_model(request, backend, "calculator", base)
+    before, after = await module.train(model, module.CPU_SMOKE)
+    for evaluation in (before, after):
+        assert re.fullmatch(r"\d+/2 \[\d+%, \d+%\]", evaluation), evaluation
+    assert await model.get_step() <= module.CPU_SMOKE.steps
