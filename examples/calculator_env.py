@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ class Config:
     max_turns: int = 2  # calculate, then answer
     max_tokens: int = 48
     learning_rate: float = 2e-3
+    temperature: float = 1.0  # of the training rollouts (held-out answers are greedy)
     seed: int = 0
 
 
@@ -129,7 +131,8 @@ async def train(model: art.TrainableModel, cfg: Config) -> tuple[str, str]:
     start = await model.get_step()
     for step in range(start, start + cfg.steps):
         drawn = await art.gather_signal_groups(
-            lambda i: [rollout(model, train_set, i, cfg) for _ in range(cfg.rollouts_per_group)],
+            lambda i: [rollout(model, train_set, i, cfg, cfg.temperature)
+                       for _ in range(cfg.rollouts_per_group)],
             art.shuffled_passes(range(len(train_set)), cfg.seed, offset=step * cfg.groups_per_step),
             cfg.groups_per_step)
         rewards = drawn.sampled_rewards
@@ -151,13 +154,12 @@ async def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="one tiny step")
     parser.add_argument("--steps", type=int, help="training steps")
     parser.add_argument("--seed", type=int, help="the question order's seed")
+    parser.add_argument("--temperature", type=float, help="of the training rollouts")
     parser.add_argument("--path", default=".art", help="where runs and checkpoints are stored")
     args = parser.parse_args()
     cfg = CPU_SMOKE if args.cpu_smoke else Config()
-    if args.steps is not None:
-        cfg.steps = args.steps
-    if args.seed is not None:
-        cfg.seed = args.seed
+    given = {k: getattr(args, k) for k in ("steps", "seed", "temperature")}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
     async with art.LocalBackend(args.path) as backend:
         model = art.TrainableModel(name=f"calculator-{cfg.seed}", project="examples",
                                    base_model=cfg.base_model)
