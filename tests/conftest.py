@@ -18,6 +18,16 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not nightly"` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test module's `NIGHTLY` names tests it inherits (LangChain's standard tests) that only
+    `make test-all` runs."""
+    for item in items:
+        names = getattr(getattr(item, "module", None), "NIGHTLY", ())
+        if getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.nightly)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random models of each family in art_core.testing.tiny.ARCHS (~1 s each)."""

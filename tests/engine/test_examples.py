@@ -51,7 +51,9 @@ async def test_example_cpu_smoke_trains(request, backend, name, base):
         inbox = module.Inbox(0)
         traj = await module.rollout(model, inbox, inbox.questions[0], cfg)
         names = [c["function"]["name"] for m in traj.messages for c in m.get("tool_calls") or []]
-        assert names and set(names) <= {"search_inbox", "read_email", "answer"}
+        assert set(names) <= {"search_inbox", "read_email", "answer"} and traj.turns
+        assert base == "tiny" or names  # the tiny model's random arguments may run past
+        # max_tokens, which ends the rollout without a call
 
 
 @pytest.mark.parametrize("steps", [1, pytest.param(None, marks=pytest.mark.nightly)])
