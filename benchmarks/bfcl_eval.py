@@ -4,7 +4,7 @@ BFCL's own AST checker.
 For each item of the chosen categories: the item's messages and its functions as OpenAI tools
 (converted by BFCL's own OpenAI handler), one chat completion through the ordinary OpenAI tools
 API, and BFCL's verdict on the response (`bfcl-eval` 2026.3.23, run in the side environment
-`.venv-bfcl` by benchmarks/bfcl/worker.py). Printed per category: items, passed, accuracy with
+`.venv-bfcl` by art_bfcl/worker.py). Printed per category: items, passed, accuracy with
 its 95% Wilson interval, and the checker's error types (wrong function, wrong value, wrong type,
 missing argument, wrong count, ...).
 
@@ -18,7 +18,7 @@ latest step) or `name@k`. Without `--base-url` the script starts a LocalBackend:
 model it asks a fresh model's step 0 in a temporary directory (the base's weights, served
 merged: on a CPU ~4x faster than the base's own name, which the gateway serves as a LoRA delta
 beside them); for a trained model, its run directory (`--path`, `--project`). How items are asked (forced strict
-calls, parallel calls allowed, greedy) is `benchmarks/bfcl/tasks.py`'s `Prompting`, the same
+calls, parallel calls allowed, greedy) is `art_bfcl/tasks.py`'s `Prompting`, the same
 prompting `examples/bfcl_rl.py` trains and reports with; see docs/bfcl.md.
 """
 
@@ -32,13 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bfcl.checker import BfclWorker, Item  # noqa: E402
-from benchmarks.bfcl.tasks import (  # noqa: E402
+from art_bfcl import (
     CATEGORIES,
     Attempt,
+    BfclWorker,
+    Item,
     Prompting,
     Split,
     evaluate,

@@ -1,7 +1,7 @@
 """BFCL multi-turn (`multi_turn_base`) on any model our gateway serves, scored by BFCL's own
 multi-turn checker.
 
-Each entry runs as BFCL's `inference_multi_turn_FC` runs it (benchmarks/bfcl/
+Each entry runs as BFCL's `inference_multi_turn_FC` runs it (art_bfcl/
 multi_turn_rollout.py: per user turn, call until the model makes no call, BFCL's step limit,
 BFCL's call decoding and execution on the episode's own API instances), greedy. Printed: the
 official accuracy (an entry passes only if every turn passes) and the per-turn pass rate (turns
@@ -23,31 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bfcl.checker import BfclWorker, MultiTurnItem  # noqa: E402
-from benchmarks.bfcl.multi_turn_rollout import multi_turn_episode  # noqa: E402
+from art_bfcl import BfclWorker, MultiTurnItem, held_out_ids, multi_turn_episode
 
 HELD_OUT = 100
 CONTEXT = 8192
-
-
-def held_out_ids(items: list[MultiTurnItem], n: int = HELD_OUT, seed: int = 0) -> list[str]:
-    """The `n` held-out entries: ordered by a hash of the seed and the id (not the data's
-    order), the first n."""
-    ids = sorted((i.id for i in items),
-                 key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
-    if n >= len(ids):
-        raise SystemExit(f"{len(ids)} entries: cannot hold out {n} and train on the rest")
-    return ids[:n]
 
 
 def report(trajs: list[Any]) -> str:
@@ -109,7 +93,10 @@ async def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with BfclWorker() as worker:
         items = worker.multi_turn()
-        keep = held_out_ids(items, a.held_out, a.seed)[:a.limit]
+        try:
+            keep = held_out_ids(items, a.held_out, a.seed)[:a.limit]
+        except ValueError as e:
+            raise SystemExit(f"--held-out: {e}") from None
         by_id = {i.id: i for i in items}
         chosen = [by_id[i] for i in keep]
         print(f"BFCL {worker.version} multi_turn_base, {len(chosen)} held-out entries (seed "

@@ -10,7 +10,7 @@ choose a function and fill its arguments, scored by BFCL's own checker, on a 2-c
 2. An attempt: the item's question and its functions as OpenAI tools (BFCL's own conversion),
    one chat completion with a forced strict call (the gateway holds the call to the tools'
    schemas; several calls allowed) and BFCL's AST checker on the answer
-   (benchmarks/bfcl/, the checker in the side environment .venv-bfcl).
+   (art_bfcl/, the checker in the side environment .venv-bfcl).
 3. Reward = 1 when the checker passes the answer, else 0 (BFCL's own pass/fail; nothing else).
 4. Before training, and after, every held-out item is asked once, greedily (BFCL asks at
    temperature 0.001); the table is BFCL's accuracy per category with 95% Wilson intervals.
@@ -34,27 +34,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from art_core import (  # noqa: E402
+from art_bfcl import (
+    CATEGORIES,
+    BfclWorker,
+    Item,
+    Prompting,
+    Split,
+    Verdict,
+    make_split,
+    summarize,
+    table,
+)
+from art_core import (
     LocalBackend,
     TrainableModel,
     TrainConfig,
     Trajectory,
     TrajectoryGroup,
 )
-from art_core.loop import load_eval_groups, train_loop  # noqa: E402
-from art_core.model import TrainResult  # noqa: E402
-from benchmarks.bfcl.checker import BfclWorker, Item, Verdict  # noqa: E402
-from benchmarks.bfcl.tasks import (  # noqa: E402
-    CATEGORIES,
-    Prompting,
-    Split,
-    make_split,
-    summarize,
-    table,
-)
+from art_core.loop import load_eval_groups, train_loop
+from art_core.model import TrainResult
 
 HELD_OUT = {"simple_python": 100, "multiple": 60, "parallel": 40}
 """Held-out items per category: 100 + 60 for the goal (simple_python + multiple), and enough of

@@ -53,7 +53,7 @@ sky_env() {
 # BFCL's checker and data (benchmarks/bfcl_eval.py, examples/bfcl_rl.py) come from the PyPI
 # package bfcl-eval, which pins numpy==1.26.4 and depends on a dozen provider SDKs, sentence-
 # transformers (and so a CUDA torch) among them: it gets its own environment, called through a
-# worker process (benchmarks/bfcl/worker.py). Installed without its declared dependencies, plus
+# worker process (art_bfcl/worker.py). Installed without its declared dependencies, plus
 # exactly what importing its checker needs (measured: ~45 s, ~550 MB), at the versions it pins,
 # and mpmath, which its multi-turn API classes import (MathAPI).
 # Harness mode is tested with an agent program on the `openai` npm package (Node), as strangers
@@ -80,7 +80,7 @@ bfcl_env() {
         pandas "mpmath==1.3.0" >>"$LOG" 2>&1 \
         || { echo "[setup] pip install of bfcl-eval's checker imports failed; see $LOG" >&2; exit 1; }
     # the worker with no requests: imports BFCL's checker and exits
-    "$VENV-bfcl/bin/python" -I benchmarks/bfcl/worker.py </dev/null >>"$LOG" 2>&1 \
+    "$VENV-bfcl/bin/python" -I art_bfcl/worker.py </dev/null >>"$LOG" 2>&1 \
         || { echo "[setup] BFCL's checker does not import in $VENV-bfcl; see $LOG" >&2; exit 1; }
 }
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from art_bfcl.checker import BfclWorker, unavailable_reason
+from art_bfcl.tasks import CATEGORIES, Prompting
 from art_core import TrainableModel, TrajectoryGroup
-from benchmarks.bfcl.checker import BfclWorker, unavailable_reason
-from benchmarks.bfcl.tasks import CATEGORIES, Prompting
 from tests.support.data import load_benchmark, load_example
 from tests.support.engine import tiny_config
 

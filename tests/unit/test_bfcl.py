@@ -1,6 +1,6 @@
 """BFCL without an engine: the checker's verdicts and the tool conversion through the worker in
 the side environment (.venv-bfcl), the split, the table, and that every BFCL tool of the three
-categories is one the gateway can enforce (benchmarks/bfcl/)."""
+categories is one the gateway can enforce (art_bfcl/)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bfcl.checker import BFCL_VERSION, BfclWorker, Item, Verdict, unavailable_reason
-from benchmarks.bfcl.tasks import CATEGORIES, Prompting, Split, make_split, summarize, table
+from art_bfcl.checker import BFCL_VERSION, BfclWorker, Item, Verdict, unavailable_reason
+from art_bfcl.tasks import CATEGORIES, Prompting, Split, make_split, summarize, table
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_worker = pytest.mark.skipif(unavailable_reason() is not None,
@@ -186,7 +186,7 @@ def test_prompting_is_the_items_own_prompt_and_tools(mode, category, parallel):
 
 
 def test_a_missing_side_environment_is_a_clear_error(monkeypatch, tmp_path):
-    from benchmarks.bfcl.checker import BfclUnavailable
+    from art_bfcl.checker import BfclUnavailable
 
     monkeypatch.setenv("BFCL_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(BfclUnavailable, match=r"does not exist: .*scripts/setup.sh --dev"):

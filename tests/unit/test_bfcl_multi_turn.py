@@ -1,5 +1,5 @@
 """BFCL multi_turn_base without an engine, through BFCL's own code in the side environment
-(benchmarks/bfcl/multi_turn.py via the worker): the ground truth, called one step at a time as
+(art_bfcl/multi_turn.py via the worker): the ground truth, called one step at a time as
 a model would (tool calls decoded and run by BFCL on the rollout's own API instances), passes
 BFCL's multi-turn checker 200/200; empty answers fail 200/200; the per-turn signal counts the
 turns that pass in a row; sessions do not share state; bad requests are clear errors."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from benchmarks.bfcl.checker import (
+from art_bfcl.checker import (
     BfclWorker,
     MultiTurnItem,
     ground_truth_steps,
@@ -148,7 +148,7 @@ def script_of(turns: list[list[list[dict]]]) -> list:
     ("truth", 1.0, 4), ("first-turn-only", 0.0, 1), ("nothing", 0.0, 0)])
 async def test_an_episode_scores_and_credits_each_user_turn(worker, items, answer, passed,
                                                             turns_passed):
-    from benchmarks.bfcl.multi_turn_rollout import multi_turn_episode
+    from art_bfcl.multi_turn_rollout import multi_turn_episode
 
     item = items["multi_turn_base_0"]
     truth = ground_truth_steps(item)
@@ -167,7 +167,7 @@ async def test_an_episode_scores_and_credits_each_user_turn(worker, items, answe
 
 
 async def test_an_episode_that_never_stops_calling_is_force_terminated(worker, items):
-    from benchmarks.bfcl.multi_turn_rollout import MAX_STEPS, multi_turn_episode
+    from art_bfcl.multi_turn_rollout import MAX_STEPS, multi_turn_episode
 
     item = items["multi_turn_base_0"]
     forever = [[{"pwd": "{}"}]] * 100

@@ -1,4 +1,4 @@
-"""Imports run one way (CONTRIBUTING.md): a walk over the module-level imports of the four
+"""Imports run one way (CONTRIBUTING.md): a walk over the module-level imports of the five
 packages fails on an import cycle, on the light core reaching a heavy room, and on art_core
 naming an integration.
 
@@ -10,8 +10,8 @@ naming an integration.
 - The light core (what a client imports) must not reach `art_core.inference`, `serve`,
   `train` or `observe` through module-level imports (lazy ones inside functions are how a
   light module uses a heavy part).
-- art_core never imports art_langgraph, art_mcp or ruler, nor names them in a string such as
-  "art_mcp.cli" (they add their `art` commands through entry points).
+- art_core never imports art_langgraph, art_mcp, ruler or art_bfcl, nor names them in a string
+  such as "art_mcp.cli" (they add their `art` commands through entry points).
 - The server sits on top: nothing in `art_core.backend` or `art_core.inference` imports
   `art_core.serve`, not even lazily (what both need, such as the HTTP guard, lives below).
 """
@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("art_core", "art_langgraph", "art_mcp", "ruler")
+PACKAGES = ("art_core", "art_langgraph", "art_mcp", "ruler", "art_bfcl")
 LIGHT = ("art_core", "art_core.trajectory", "art_core.model", "art_core.config",
          "art_core.gather", "art_core.recording", "art_core.storage", "art_core.protocol",
          "art_core.host", "art_core.cli", "art_core.backend.remote",
          "art_core.pipeline", "art_core.sft", "art_core.sft.render",
          "art_core.distill", "art_core.sampling", "art_core.env")
 HEAVY = ("art_core.inference", "art_core.serve", "art_core.train", "art_core.observe")
-INTEGRATIONS = ("art_langgraph", "art_mcp", "ruler")
+INTEGRATIONS = ("art_langgraph", "art_mcp", "ruler", "art_bfcl")
 BELOW_SERVE = ("art_core.backend", "art_core.inference")
 
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bfcl.checker import BFCL_VERSION, BfclWorker, Item, Verdict
+from art_bfcl.checker import BFCL_VERSION, BfclWorker, Item, Verdict
 
 CATEGORIES = ("simple_python", "multiple", "parallel")
 """BFCL's single-turn Python categories this project trains and reports: one function, one

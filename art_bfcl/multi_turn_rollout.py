@@ -17,10 +17,11 @@ of each user turn that passed gets 1 / turns, so the per-turn rewards sum to the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from typing import Any
 
-from benchmarks.bfcl.checker import BfclWorker, Calls, MultiTurnItem, step_calls
+from art_bfcl.checker import BfclWorker, Calls, MultiTurnItem, step_calls
 
 MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT (bfcl_eval.constants.default_prompts)
 
@@ -80,3 +81,13 @@ async def multi_turn_episode(client: Any, model: str, item: MultiTurnItem, worke
                         force_quit=float(stop == "force_quit"))
     traj.metadata.update(id=item.id, error_type=verdict.error_type or "")
     return traj
+
+
+def held_out_ids(items: list[MultiTurnItem], n: int = 100, seed: int = 0) -> list[str]:
+    """The `n` held-out entries: ordered by a hash of the seed and the id (not the data's
+    order), the first n."""
+    ids = sorted((i.id for i in items),
+                 key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
+    if n >= len(ids):
+        raise ValueError(f"{len(ids)} entries: cannot hold out {n} and train on the rest")
+    return ids[:n]

@@ -2,7 +2,7 @@
 
 Runs in the side environment `.venv-bfcl` (scripts/setup.sh --dev), never in the training one:
 `bfcl-eval` pins numpy 1.26.4 and imports a dozen provider SDKs with its checker. Started as
-`.venv-bfcl/bin/python -I benchmarks/bfcl/worker.py` (`-I`: only that environment's packages);
+`.venv-bfcl/bin/python -I art_bfcl/worker.py` (`-I`: only that environment's packages);
 it imports nothing of this repository. One JSON request per line on stdin, one JSON answer per
 line on stdout:
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().with_name("worker.py")
 BFCL_VERSION = "2026.3.23"
 """The bfcl-eval release scripts/setup.sh installs into .venv-bfcl (its data and checker)."""
