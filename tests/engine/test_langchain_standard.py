@@ -29,8 +29,11 @@ ENDPOINT: dict[str, str] = {}
 # them: overriding a standard test is only allowed for an xfail): a free answer that runs to
 # max_tokens (~30 s; test_invoke and the message-history tests send the same requests), and a
 # pydantic.v1 schema made a forced tool call (~60 s; test_tool_choice and the pydantic v2
-# structured-output tests cover that path)
-NIGHTLY = ("test_conversation", "test_structured_output_pydantic_2_v1")
+# structured-output tests cover that path), and the async twins of the structured-output and
+# tool-calling tests (~10 s each: the gateway gets the same requests as from their sync
+# twins; LangChain's async client is covered by test_ainvoke, test_astream and test_abatch)
+NIGHTLY = ("test_conversation", "test_structured_output_pydantic_2_v1",
+           "test_structured_output_async", "test_tool_calling_async")
 MODEL_ANSWER = "the 135M model's answer, not the protocol: it does not follow the instruction"
 
 
