@@ -18,72 +18,43 @@ With `keep_serving` (dedicated devices: the trainer does not share the engine's)
 are skipped: the engine serves the previous step while this one trains, and the gate closes
 only around step 6, the swap.
 
-A step that fails for a reason a retry cannot fix (bad data, a NaN gradient) marks its journal
-failed, so `replay_interrupted` does not retry it forever; one killed or cut short (a crash, a
-full disk, a dead rank) stays interrupted and replays. A `train()` that is cancelled leaves its
+The step itself (1-8) runs in art_core/backend/step.py. A step that fails for a reason a retry
+cannot fix (bad data, a NaN gradient) marks its journal failed, so `replay_interrupted` does not
+retry it forever; one killed or cut short (a crash, a full disk, a dead rank) stays interrupted
+and replays. A `train()` that is cancelled leaves its
 step to finish (or fail) on its own and never leaks the model's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from art_core.backend.orphans import Orphans, call_key
+from art_core.backend.step import run_step
 from art_core.backend.trainers import Trainers
 from art_core.base_models import base_model_limits, resolve_base_model
 from art_core.config import SFTConfig, TrainConfig
-from art_core.failpoints import failpoint
-from art_core.inference.engine import EngineError, VLLMEngine
+from art_core.inference.engine import VLLMEngine
 from art_core.inference.gateway import Gateway
 from art_core.inference.gateway_server import GatewayServer
-from art_core.inference.policy_check import PolicyMismatch, replayed_mismatch
 from art_core.model import Endpoint, TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
 from art_core.storage import ModelDir
-from art_core.train.errors import RetryableStepError
 from art_core.trajectory import (
     Trajectory,
     TrajectoryGroup,
     check_groups,
     check_sequence_lengths,
-    off_policy_metrics,
 )
 
 log = logging.getLogger(__name__)
-
-RETRYABLE = (OSError, EngineError, TimeoutError, RetryableStepError)
-
-DRIFT_WARN = 0.08
-"""`sampler_trainer_prob_diff` above which a step warns that the policy the engine served is not
-the one the trainer holds: 0.008-0.03 is normal on SmolLM2 (numerics); a served adapter that
-never loaded, or logprobs of a grammar-masked distribution, measured 0.11 and more."""
-
-
-def check_served_policy(metrics: dict[str, float], served_step: int, name: str) -> None:
-    """Warn, naming the step, when the turns a step trains were sampled wholly by the policy
-    it starts from and yet their logprobs disagree with the trainer's beyond `DRIFT_WARN`:
-    what vLLM served as that step was not what was trained (a stale or missing adapter)."""
-    drift = metrics.get("sampler_trainer_prob_diff")
-    if drift is None or metrics.get("frac_turns_off_policy", 0.0) > 0:
-        return  # older policies sampled some turns: a difference is expected there
-    metrics["served_policy_drift_warning"] = float(drift > DRIFT_WARN)
-    if drift > DRIFT_WARN:
-        log.warning("%s: the turns sampled by step %d disagree with the trainer's step %d "
-                    "(sampler_trainer_prob_diff %.3f > %.2f): the engine may not have served "
-                    "checkpoint %d as trained (an adapter that did not load, a stale one)",
-                    name, served_step, served_step, drift, DRIFT_WARN, served_step)
-"""Failures a retry of the same step can get past (the journal stays for a replay)."""
-
 
 def _positive_int(name: str, n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -385,9 +356,9 @@ class LocalBackend:
         # while waiting here, the step never starts
         if keep_serving is None:
             keep_serving = self.dedicated_training
-        task = asyncio.ensure_future(self._step(lock, model, groups, config,
-                                                progress or (lambda event: None), request_id,
-                                                keep_serving))
+        task = asyncio.ensure_future(run_step(self, lock, model, groups, config,
+                                              progress or (lambda event: None), request_id,
+                                              keep_serving))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
         # cancelling the caller does not cut the step in half: it finishes, frees the lock,
@@ -419,128 +390,12 @@ class LocalBackend:
             return await self._orphans.wait(orphan, key)
         lock = self._model_lock(model)
         await acquire(lock)
-        task = asyncio.ensure_future(self._step(
-            lock, model, groups, config, progress or (lambda event: None), request_id, False))
+        task = asyncio.ensure_future(run_step(
+            self, lock, model, groups, config, progress or (lambda event: None), request_id,
+            False))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
         return await self._orphans.wait(task, key)
-
-    async def _step(self, lock: threading.Lock, model: TrainableModel,
-                    groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
-                    emit: Callable[[dict[str, Any]], None], request_id: str | None,
-                    keep_serving: bool) -> TrainResult:
-        try:
-            md = self._dir(model)
-            if request_id is not None:
-                answered = await asyncio.to_thread(md.answered, request_id)
-                if answered is not None:  # committed before (a retry, or a restarted caller)
-                    mismatch = replayed_mismatch(model.name, answered["step"],
-                                                 await asyncio.to_thread(md.history_row,
-                                                                         answered["step"]))
-                    if mismatch is not None:  # what the first answer said, again
-                        raise mismatch
-                    return TrainResult(step=answered["step"],
-                                       metrics=answered.get("metrics") or {})
-            await asyncio.to_thread(md.check_writable, md.step_bytes())
-            step = (md.latest_step() or 0) + 1
-            # before anything else: a crash loses no rollout (in a thread: it fsyncs)
-            sft = config if isinstance(config, SFTConfig) else None
-            await asyncio.to_thread(md.journal_groups, step, groups, sft)
-            failpoint("journaled", step)
-            emit({"phase": "journaled", "step": step, "groups": len(groups)})
-            metrics, mismatch = await self._train_published(model, groups, config, step,
-                                                            request_id, emit, keep_serving)
-            if sft is None:
-                metrics.update(off_policy_metrics(groups, step - 1))
-                check_served_policy(metrics, step - 1, f"{model.project}/{model.name}")
-            kind = "rl" if sft is None else "sft"
-            try:
-                await asyncio.to_thread(md.append_history, {"step": step, "kind": kind,
-                                                            **metrics})
-            except OSError as e:  # the step is committed; its row is rebuilt at registration
-                log.warning("%s/%s step %d: history row not written (%s)", model.project,
-                            model.name, step, e)
-            self.loggers.log_step(StepRecord(
-                model.project, model.name, step, SPLIT_TRAIN, {**group_metrics(groups), **metrics},
-                groups, model.base_model, md.checkpoint(step)))
-            if mismatch is not None:  # committed and recorded, but not what is served
-                raise mismatch
-            emit({"phase": "done", "step": step, "metrics": metrics})
-            return TrainResult(step=step, metrics=metrics)
-        finally:
-            lock.release()
-
-    async def _train_published(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                               config: TrainConfig | SFTConfig, step: int, request_id: str | None,
-                               emit: Callable[[dict[str, Any]], None],
-                               keep_serving: bool = False
-                               ) -> tuple[dict[str, float], PolicyMismatch | None]:
-        """Steps 2-7 of the module docstring, with the gate closed (with `keep_serving`, only
-        around the swap); the step's metrics, and the served-policy check's failure if the
-        publish failed it (the step is committed; the previous one keeps serving)."""
-        md = self._dir(model)
-        engine = self._engines[model.base_model]
-        asleep = paused = False
-        try:
-            if not keep_serving:
-                await self._on_gateway(self.gateway.pause)
-                paused = True
-                emit({"phase": "paused", "step": step})
-                await asyncio.to_thread(engine.sleep)
-                asleep = True
-            # dedicated on a CPU: the trainer takes the cores the engine leaves free
-            threads = self._free_cores(engine) if keep_serving else None
-            try:
-                metrics = await asyncio.wrap_future(self.trainers.submit(
-                    self.trainers.train_and_save, model, groups, config, step, request_id,
-                    threads))
-            except RETRYABLE:
-                raise
-            except Exception as e:  # the same groups would fail again: do not replay them
-                md.mark_failed(step, f"{type(e).__name__}: {e}")
-                raise
-            emit({"phase": "trained", "step": step, "seconds": metrics.get("seconds", 0.0)})
-            t_publish = time.perf_counter()
-            if not paused:  # merged weights are reloaded in place: no request may be running
-                await self._on_gateway(self.gateway.pause)
-                paused = True
-                emit({"phase": "paused", "step": step})
-            if asleep:
-                asleep = False
-                try:  # committed: the step stands even if vLLM does not wake (it restarts)
-                    await asyncio.to_thread(engine.wake_up)
-                except EngineError as e:
-                    log.warning("vLLM did not wake after step %d (%s); it serves again after "
-                                "its restart", step, str(e).splitlines()[0])
-            # committed: a publish that fails (the engine restarting) loads it on demand later
-            mismatch = None
-            try:
-                metrics.update(await self._on_gateway(
-                    lambda: self.gateway.publish(
-                        model.name, engine, step, md.checkpoint(step), project=model.project,
-                        tolerance=model.config.engine.policy_check_tolerance)) or {})
-            except PolicyMismatch as e:
-                metrics.update(e.metrics, policy_mismatch=1.0)
-                mismatch = e
-            # from the end of the optimizer step until the new adapter serves requests
-            metrics["publish_seconds"] = time.perf_counter() - t_publish
-            metrics["swap_seconds"] = metrics["save_seconds"] + metrics["publish_seconds"]
-            failpoint("published", step)
-            emit({"phase": "published", "step": step})
-            return metrics, mismatch
-        finally:
-            if asleep:
-                with contextlib.suppress(EngineError):
-                    await asyncio.to_thread(engine.wake_up)
-            if paused:
-                await self._on_gateway(self._resume)
-
-    def _free_cores(self, engine: VLLMEngine) -> int | None:
-        """The CPU threads a step may use while `engine` keeps serving: the cores beside the
-        engine's (None: the trainer is not on the CPU, or the engine is not)."""
-        if engine.cuda or (self.trainers.device or "cpu") != "cpu":
-            return None
-        return max(1, (os.cpu_count() or 1) - engine.config.cpu_threads)
 
     async def _resume(self) -> None:
         self.gateway.resume()

@@ -478,10 +478,10 @@ async def test_an_unregistered_model_is_refused_and_nothing_is_created(
 ])
 def test_a_step_warns_when_the_served_policy_was_not_the_trained_one(caplog, drift, off_policy,
                                                                      warned):
-    from art_core.backend.local import check_served_policy
+    from art_core.backend.step import check_served_policy
 
     metrics = {"sampler_trainer_prob_diff": drift, "frac_turns_off_policy": off_policy}
-    with caplog.at_level("WARNING", logger="art_core.backend.local"):
+    with caplog.at_level("WARNING", logger="art_core.backend.step"):
         check_served_policy(metrics, 4, "demo/agent")
     assert bool([r for r in caplog.records if "step 4" in r.message]) == warned
     assert metrics.get("served_policy_drift_warning", 0.0) == float(warned)
