@@ -61,12 +61,33 @@ CPU_SMOKE = Config(steps=1, groups_per_step=1, rollouts_per_group=3, train_quest
                    eval_questions=2)
 
 
-def dataset(size: int, seed: int) -> Any:
-    """reasoning-gym's chain_sum: 2-3 terms of 1-2 digits, + and -."""
-    import reasoning_gym
+class Questions:
+    """reasoning-gym's chain_sum (2-3 terms of 1-2 digits, + and -), without the questions whose
+    answer is one of their own numbers ("2 - 0 - 0 = ?", 1 in 8): on those, answering the
+    first number without calculating scores, and one step on such groups taught a run to
+    answer without calculating (seed 1: sampled reward 0.17 at step 2, 0.01 after it)."""
 
-    return reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, min_terms=2,
-                                        max_terms=3, min_digits=1, max_digits=2)
+    def __init__(self, size: int, seed: int) -> None:
+        import reasoning_gym
+
+        data = reasoning_gym.create_dataset("chain_sum", size=2 * size + 16, seed=seed,
+                                            min_terms=2, max_terms=3, min_digits=1, max_digits=2)
+        self.entries = [e for e in data
+                        if e["answer"] not in re.findall(r"\d+", e["question"].split(":")[-1])]
+        if len(self.entries) < size:
+            raise ValueError(f"{len(self.entries)} usable questions of {len(data)}, asked {size}")
+        self.entries = self.entries[:size]
+        self.score_answer = data.score_answer  # reasoning-gym's own scoring
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.entries[index]
+
+
+def dataset(size: int, seed: int) -> Questions:
+    return Questions(size, seed)
 
 
 class CalculatorEnv:
@@ -146,7 +167,8 @@ async def train(model: art.TrainableModel, cfg: Config) -> tuple[str, str]:
         rewards = drawn.sampled_rewards
         mean = sum(rewards) / max(1, len(rewards))
         if not drawn.groups:
-            print(f"step {step}: no group with signal in {drawn.drawn} drawn; nothing trained")
+            print(f"step {await model.get_step() + 1}: no group with signal in {drawn.drawn} "
+                  "drawn; nothing trained")
             continue
         result = await model.train(drawn.groups,
                                    art.TrainConfig(learning_rate=cfg.learning_rate))
