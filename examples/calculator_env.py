@@ -86,10 +86,6 @@ class Questions:
         return self.entries[index]
 
 
-def dataset(size: int, seed: int) -> Questions:
-    return Questions(size, seed)
-
-
 class CalculatorEnv:
     """One question per episode; the reward is reasoning-gym's score of the answer given."""
 
@@ -153,8 +149,8 @@ def interval(solved: int, asked: int) -> str:
 
 async def train(model: art.TrainableModel, cfg: Config) -> tuple[str, str]:
     """Evaluate, train `cfg.steps` steps, evaluate again; returns both evaluations."""
-    train_set = dataset(cfg.train_questions, cfg.seed)
-    held_out = dataset(cfg.eval_questions, cfg.seed + 10_000)
+    train_set = Questions(cfg.train_questions, cfg.seed)
+    held_out = Questions(cfg.eval_questions, cfg.seed + 10_000)
     before = interval(*await evaluate(model, held_out, cfg))
     print(f"held-out before: {before}")
     start = await model.get_step()

@@ -61,7 +61,7 @@ def test_the_calculator_refuses_what_is_not_a_sum(expression):
 def test_no_calculator_question_is_answered_by_one_of_its_own_numbers():
     import re
 
-    questions = load("calculator_env").dataset(64, seed=0)
+    questions = load("calculator_env").Questions(64, seed=0)
     assert len(questions) == 64
     for entry in questions:
         numbers = re.findall(r"\d+", entry["question"].split(":")[-1])
@@ -70,7 +70,7 @@ def test_no_calculator_question_is_answered_by_one_of_its_own_numbers():
 
 def test_the_calculator_environment_is_scored_by_reasoning_gym():
     module = load("calculator_env")
-    questions = module.dataset(8, seed=3)
+    questions = module.Questions(8, seed=3)
     from art_core.env.tools import tool_schemas
 
     env = module.CalculatorEnv(questions)
