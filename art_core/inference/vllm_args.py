@@ -94,6 +94,7 @@ def vllm_command(model_path: str, served_name: str, port: int, config: EngineCon
         if c.sleep_while_training:
             args.append("--enable-sleep-mode")
     else:
+        args += ["--block-size", str(c.cpu_block_size)]
         # One in-process worker: no extra process fighting for the 2 cores (FIELD-NOTES);
         # it takes effect with VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm_environment).
         args += ["--distributed-executor-backend", "uni"]

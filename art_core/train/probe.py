@@ -12,7 +12,8 @@ The manifest holds three things, each checked where it can go wrong:
 - `base_logprobs`: the same under the base weights, adapter disabled (the base by name, served
   beside merged weights as a delta LoRA: checked the first time it is served after a merge);
 - `next`: the `NEXT_TOP` likeliest next tokens after a longer prompt (the probe repeated to
-  `NEXT_PROMPT_LEN` tokens, over two of vLLM-CPU's 128-token KV blocks) and their logprobs (the
+  `NEXT_PROMPT_LEN` tokens, over two KV blocks of vLLM-CPU's default 128 tokens, eight of
+  ours, `EngineConfig.cpu_block_size`) and their logprobs (the
   top one alone says little once a model is sure of it: its logprob stays ~0 whatever the KV). vLLM answers prompt
   logprobs without its prefix cache, so only a generated token can show KV blocks cached under
   the previous step's weights (an in-place reload without a cache reset, vllm #42125).
@@ -37,7 +38,7 @@ PROBE_MESSAGES = (
 """Short, in the template the model is served with, so that every checkpoint's probe costs one
 forward pass of a few dozen tokens (measured: ~40 tokens for SmolLM2's template)."""
 
-NEXT_PROMPT_LEN = 260  # > 2 x 128: vLLM-CPU caches full blocks of 128 tokens
+NEXT_PROMPT_LEN = 260  # > 2 x 128: vLLM caches full blocks only (128 tokens: vLLM-CPU's default)
 NEXT_TOP = 5
 
 
