@@ -83,3 +83,22 @@ def test_auto_dtype_is_float32_on_a_cpu_without_bf16(
                         config=EngineConfig(dtype=dtype, serve_merged=merged), cuda=cuda)
     assert engine.dtype == served
     assert vllm_engine_args(engine.command()).dtype == served
+
+
+@pytest.mark.parametrize(("cuda", "config", "block_size", "max_num_seqs"), [
+    (False, EngineConfig(), 32, 64),                      # CPU: small blocks for prefix hits
+    (False, EngineConfig(cpu_block_size=128, max_num_seqs=16), 128, 16),
+    (True, EngineConfig(cpu_block_size=64), None, 64),    # CUDA: vLLM's own block size
+])
+def test_block_size_and_batch_reach_vllm_engine_args(tiny_models, cuda, config, block_size,
+                                                     max_num_seqs):
+    engine = VLLMEngine(str(tiny_models["llama"]), served_name="m", config=config, cuda=cuda)
+    args = vllm_engine_args(engine.command())
+    assert args.block_size == block_size
+    assert args.max_num_seqs == max_num_seqs
+
+
+@pytest.mark.parametrize("size", [0, 16, 48])
+def test_a_cpu_block_size_vllm_cannot_take_is_refused(size):
+    with pytest.raises(ValueError, match="cpu_block_size"):
+        EngineConfig(cpu_block_size=size)
