@@ -40,7 +40,7 @@ class EngineConfig(_Strict):
         "Concurrent sequences per engine step. On a CPU decoding is bound by reading the "
         "weights once per engine step, so a larger batch is nearly free per sequence: the "
         "demo's 48 held-out episodes took 34 s at 16 and 27 s at 64 (SmolLM2, one thread, "
-        "benchmarks/rollout_profile.py's demo task). The KV cache still bounds what runs."))
+        "32-token blocks). The KV cache still bounds what runs."))
     max_loras: int = Field(2, ge=1, description=(
         "Adapters active in one batch: the current step and the one before it while it drains."))
     max_cpu_loras: int = Field(4, ge=1, description="Adapters kept loaded; older ones are unloaded.")
