@@ -152,6 +152,9 @@ def test_common_prefix_length() -> None:
 # --- through litellm, against the scripted server ----------------------------------------------
 
 # (name, script, max_retries, expected scores or the RulerError text, requests made)
+STALL_S = 60.0  # a judge that stalls answers long after the client gave up
+STALL_TIMEOUT_S = 3.0  # the client's timeout where the judge stalls
+
 CASES = [
     ("well-formed", [GOOD], 3, [0.9, 0.3, 0.0], 1),
     ("code fence", ["```json\n" + GOOD + "\n```"], 3, [0.9, 0.3, 0.0], 1),
@@ -183,8 +186,8 @@ CASES = [
     ("422 on json_schema: JSON mode", [Reply(status=422), GOOD], 3, [0.9, 0.3, 0.0], 2),
     ("prose every time", ["No."] * 4, 3, "no valid answer in 4 attempts", 4),
     ("1.7 every time", [answer(1.7, 0.3, 0.0)] * 2, 1, "score 1.7 is outside [0, 1]", 2),
-    ("timeout, then good", [Reply(GOOD, delay=2.0), GOOD], 3, [0.9, 0.3, 0.0], 2),
-    ("timeout every time", [Reply(GOOD, delay=2.0)] * 2, 1, "timed out", 2),
+    ("timeout, then good", [Reply(GOOD, delay=STALL_S), GOOD], 3, [0.9, 0.3, 0.0], 2),
+    ("timeout every time", [Reply(GOOD, delay=STALL_S)] * 2, 1, "timed out", 2),
 ]
 
 
@@ -201,8 +204,9 @@ async def test_score_scripted(
 ) -> None:
     server.push(*script)
     replies = [Reply(r) if isinstance(r, str) else r for r in script]
-    # a short timeout only where the server stalls: a busy machine must not fail the others
-    timeout = 0.5 if any(r.delay for r in replies) else 10
+    # where the judge stalls, the stall is far past the timeout and the timeout far past any
+    # answer on a busy machine (0.5 s once timed out the good reply too, beside a CI run)
+    timeout = STALL_TIMEOUT_S if any(r.delay for r in replies) else 10
     args = judge_args(server, max_retries=max_retries, timeout=timeout)
     lists = [chat(r) for r in REPLIES]
     if isinstance(expected, str):
