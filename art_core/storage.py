@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -319,10 +320,15 @@ def _write_durable(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+_APPENDING = threading.Lock()
+
+
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
     """Append one JSON line. A process killed mid-write leaves a torn last line; the next row
-    starts on a line of its own, so it is not glued onto the torn one and lost with it."""
-    with path.open("ab") as f:
+    starts on a line of its own, so it is not glued onto the torn one and lost with it.
+    Appends are serialized within the process: another thread's row, half written, would look
+    torn (the pipeline appends from worker threads)."""
+    with _APPENDING, path.open("ab") as f:
         torn = False
         if f.tell() > 0:  # append mode: the position starts at the end
             with path.open("rb") as r:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from art_core.storage import ModelDir
+from art_core.storage import ModelDir, append_jsonl
 from art_core.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -89,6 +90,25 @@ def test_a_torn_history_line_loses_only_itself(tmp_path, caplog):
     assert [r["step"] for r in md.read_history()] == [1, 2, 3]
     assert "is not a complete JSON line" in caplog.text
     assert delete(md) == [1, 2]  # best (step 1 -> checkpoint 0) kept
+
+
+def test_appends_from_threads_each_keep_a_line_of_their_own(tmp_path):
+    # the pipeline appends completed groups from worker threads; a row whose write was half
+    # visible to another appender once made that one start a line of its own (an empty line)
+    path = tmp_path / "rows.jsonl"
+    pad = "x" * 200_000  # large rows: a write takes long enough to be seen half done
+
+    def append(worker: int) -> None:
+        for i in range(40):
+            append_jsonl(path, {"worker": worker, "i": i, "pad": pad})
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(append, range(4)))
+    lines = path.read_text().split("\n")
+    assert lines[-1] == "" and all(lines[:-1]), "an empty or missing line"
+    rows = [json.loads(line) for line in lines[:-1]]
+    assert sorted((r["worker"], r["i"]) for r in rows) == [(w, i) for w in range(4)
+                                                          for i in range(40)]
 
 
 @pytest.mark.parametrize(("project", "name"), [("../x", "m"), ("p", "a/b"), ("p", "..")])
