@@ -223,9 +223,9 @@ async def test_a_client_that_gives_up_frees_the_engine(backend, tiny):
         for _ in range(3):
             with pytest.raises(httpx.ReadTimeout):
                 await c.post(url, json=body)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.0 and (backend.gateway.in_flight
-                                          or await running_requests(engine)):
+    t0 = time.monotonic()  # freed soon; 60 s only so that a leak fails instead of hanging
+    while time.monotonic() - t0 < 60 and (backend.gateway.in_flight
+                                         or await running_requests(engine)):
         await asyncio.sleep(0.05)
     assert backend.gateway.in_flight == 0 and await running_requests(engine) == 0
 

@@ -63,11 +63,11 @@ async def test_an_environment_that_fails_ends_its_rollout_only(hang, message):
         await step_rollout(ScriptedModel(["a", "b"]), lambda: broken, step_timeout_s=0.5)
     assert broken.closed == 1  # closed anyway, its error kept
 
-    def episode(make, replies):
-        return step_rollout(ScriptedModel(replies), make, step_timeout_s=0.5)
+    def episode(make, replies, timeout_s=60.0):  # only the broken one is meant to time out
+        return step_rollout(ScriptedModel(replies), make, step_timeout_s=timeout_s)
 
     groups = await gather_trajectory_groups(
-        [[episode(lambda: BrokenEnv(hang=hang), ["a", "b"]), episode(GuessEnv, ["6"]),
+        [[episode(lambda: BrokenEnv(hang=hang), ["a", "b"], 0.5), episode(GuessEnv, ["6"]),
           episode(GuessEnv, ["2", "6"])]], max_exceptions=1, show_progress=False)
     (group,) = groups
     assert isinstance(group, TrajectoryGroup) and len(group.trajectories) == 2
