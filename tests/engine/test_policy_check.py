@@ -2,7 +2,9 @@
 check passes (what vLLM serves under name@step matches the trainer's probe to float32
 numerics); a checkpoint spoiled between the commit and the publish (an adapter whose tensors
 match no module of the model, which vLLM loads silently and serves as the base; one whose
-weights are not the trained ones; the previous step's adapter under the new name) fails it
+weights are not the trained ones; the previous step's adapter under the new name), a merge that
+did not happen, a prefix cache not reset after the in-place reload and a delta built against
+the wrong merged step fails it
 loudly: `train` raises `PolicyMismatch` naming the step, the previous
 step keeps serving, `/health` says degraded and the history row says so; the next good step
 is published and the health is ok again.
@@ -205,6 +207,17 @@ async def test_merged_a_merge_that_did_not_happen_fails_the_check(backend, polic
     engine_calls(backend, policy, monkeypatch, "/collective_rpc", {"results": [{"loaded": True}]})
     await check_refused_then_recovers(backend, policy, monkeypatch,
                                       rf"{policy.name}@\d+: what vLLM serves does not match")
+
+
+async def test_merged_a_prefix_cache_not_reset_after_the_reload_fails_the_check(
+        backend, policy, monkeypatch):
+    """The weights are reloaded in place under a new name and the prefix cache keeps the old
+    step's KV blocks (vllm #42125): prompt logprobs bypass the cache and match, the next token
+    generated after the probe's long prompt reads the stale blocks and does not."""
+    await policy.train(await groups(policy), CONFIG)  # the long prompt's blocks are cached
+    engine_calls(backend, policy, monkeypatch, "/reset_prefix_cache", {})
+    await check_refused_then_recovers(backend, policy, monkeypatch,
+                                      rf"{policy.name}@\d+: what vLLM generates does not match")
 
 
 async def test_merged_a_delta_built_against_the_wrong_step_is_refused_when_first_served(
