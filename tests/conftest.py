@@ -21,10 +21,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.hookimpl(tryfirst=True)  # before `-m "not nightly"` deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test module's `NIGHTLY` names tests it inherits (LangChain's standard tests) that only
-    `make test-all` runs."""
+    `make test-all` runs: by name (every parameter) or with its parameter id."""
     for item in items:
         names = getattr(getattr(item, "module", None), "NIGHTLY", ())
-        if getattr(item, "originalname", item.name) in names:
+        if item.name in names or getattr(item, "originalname", item.name) in names:
             item.add_marker(pytest.mark.nightly)
 
 

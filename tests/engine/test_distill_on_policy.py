@@ -13,7 +13,10 @@ from art_core.distill import distill_on_policy, score_with_teacher
 from art_core.gather import gather_trajectory_groups
 from tests.support.engine import rollout
 
-pytestmark = pytest.mark.engine
+# nightly (~38 s beyond the SmolLM2 engine's start): the step's algorithm is
+# tests/unit/test_distill_on_policy.py, and that vLLM's prompt logprobs of a step are the
+# trainer's is checked at every publish by the served-policy check (test_policy_check.py)
+pytestmark = [pytest.mark.engine, pytest.mark.nightly]
 
 
 async def test_distill_from_the_same_weights_scores_like_the_sampler(backend, smollm2_path):

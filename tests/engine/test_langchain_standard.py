@@ -31,9 +31,18 @@ ENDPOINT: dict[str, str] = {}
 # pydantic.v1 schema made a forced tool call (~60 s; test_tool_choice and the pydantic v2
 # structured-output tests cover that path), and the async twins of the structured-output and
 # tool-calling tests (~10 s each: the gateway gets the same requests as from their sync
-# twins; LangChain's async client is covered by test_ainvoke, test_astream and test_abatch)
+# twins; LangChain's async client is covered by test_ainvoke, test_astream and test_abatch).
+# Also nightly, each ~5-9 s and the same request to the gateway as a test that stays: the
+# pydantic and TypedDict schemas of structured output (LangChain sends each as the JSON
+# schema test_structured_output[json_schema] sends), tool calling in LangChain's v1 output
+# format (a client-side rendering of test_tool_calling[model0]'s answer), a runnable bound as a
+# tool and few-shot tool-call examples (forced calls, as test_tool_choice, after a tool
+# history, as test_tool_message_histories_*)
 NIGHTLY = ("test_conversation", "test_structured_output_pydantic_2_v1",
-           "test_structured_output_async", "test_tool_calling_async")
+           "test_structured_output_async", "test_tool_calling_async",
+           "test_structured_output[pydantic]", "test_structured_output[typeddict]",
+           "test_tool_calling[model1]", "test_bind_runnables_as_tools",
+           "test_structured_few_shot_examples")
 MODEL_ANSWER = "the 135M model's answer, not the protocol: it does not follow the instruction"
 
 

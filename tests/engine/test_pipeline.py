@@ -172,6 +172,9 @@ async def test_a_langgraph_agent_pipelines(tiny, tmp_path):
     assert [r["step"] for r in result.steps] == [start + 1, start + 2]
 
 
+@pytest.mark.nightly  # ~37 s; the pipeline with a plain and a LangGraph rollout stays in CI,
+# run_agent's trajectories train one sequence each (test_turns), ruler.hook as after_each is
+# tests/unit/test_ruler.py and the SmolLM2 judge test_ruler_judge.py
 async def test_an_mcp_agent_pipelines_scored_by_ruler(backend, smollm2_path, tmp_path):
     """On SmolLM2 (the agent's prompt, with the server's tools, is longer than the tiny
     model's context), rewards from RULER as each group completes, the base model judging."""

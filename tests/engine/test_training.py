@@ -36,7 +36,10 @@ def lora_state(backend, model: TrainableModel, step: int) -> dict[str, torch.Ten
     return load_file(str(backend.checkpoint_dir(model, step) / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# Qwen 2.5 on vLLM is nightly: beside Qwen 3 its difference is biases LoRA does not touch;
+# its trainer, merge and template run in tests/unit (test_merge, test_model_families)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.nightly) if a == "qwen2"
+                                  else a for a in ARCHS])
 async def test_register_rollout_train_two_steps(backend, tiny_models, arch):
     model = TrainableModel(name=f"e2e-{arch}", project="e2e",
                            base_model=str(tiny_models[arch]), config=tiny_config())
