@@ -189,10 +189,10 @@ def engine_calls(backend, policy: TrainableModel, monkeypatch, skip: str, answer
 
 
 async def check_refused_then_recovers(backend, policy: TrainableModel, monkeypatch,
-                                      match: str) -> None:
+                                      match: str, config: TrainConfig = CONFIG) -> None:
     before = await policy.get_step()
     with pytest.raises(PolicyMismatch, match=match):
-        await policy.train(await groups(policy), CONFIG)
+        await policy.train(await groups(policy), config)
     assert await served_step(policy) == f"{policy.name}@{before}"
     assert (await health(backend))["status"] == "degraded"
     monkeypatch.undo()
@@ -213,11 +213,15 @@ async def test_merged_a_prefix_cache_not_reset_after_the_reload_fails_the_check(
         backend, policy, monkeypatch):
     """The weights are reloaded in place under a new name and the prefix cache keeps the old
     step's KV blocks (vllm #42125): prompt logprobs bypass the cache and match, the next token
-    generated after the probe's long prompt reads the stale blocks and does not."""
+    generated after the probe's long prompt reads the stale blocks and does not. The step
+    under test moves the weights far (learning rate 0.5): only the last, partial block is
+    computed with the new weights, and after CONFIG's smaller step the stale blocks moved the
+    next token less than the tolerance in 1 of 3 fresh-clone runs."""
     await policy.train(await groups(policy), CONFIG)  # the long prompt's blocks are cached
     engine_calls(backend, policy, monkeypatch, "/reset_prefix_cache", {})
     await check_refused_then_recovers(backend, policy, monkeypatch,
-                                      rf"{policy.name}@\d+: what vLLM generates does not match")
+                                      rf"{policy.name}@\d+: what vLLM generates does not match",
+                                      TrainConfig(learning_rate=0.5, bf16=False))
 
 
 async def test_merged_a_delta_built_against_the_wrong_step_is_refused_when_first_served(
