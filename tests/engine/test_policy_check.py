@@ -2,12 +2,11 @@
 check passes (what vLLM serves under name@step matches the trainer's probe to float32
 numerics); a checkpoint spoiled between the commit and the publish (an adapter whose tensors
 match no module of the model, which vLLM loads silently and serves as the base; one whose
-weights are not the trained ones; the previous step's adapter under the new name), a merge that
-did not happen, a prefix cache not reset after the in-place reload and a delta built against
-the wrong merged step fails it
-loudly: `train` raises `PolicyMismatch` naming the step, the previous
-step keeps serving, `/health` says degraded and the history row says so; the next good step
-is published and the health is ok again.
+weights are not the trained ones; the previous step's adapter under the new name), a merge
+that did not happen, a prefix cache not reset after the in-place reload and a delta built
+against the wrong merged step each fail it loudly: `train` raises `PolicyMismatch` naming the
+step, the previous step keeps serving, `/health` says degraded and the history row says so;
+the next good step is published and the health is ok again.
 
 Both ways of serving: merged weights (the CPU default) and runtime LoRA adapters (vLLM's
 loader, where an adapter whose modules match nothing is taken silently, vllm #34186). The
@@ -216,7 +215,7 @@ async def test_merged_a_prefix_cache_not_reset_after_the_reload_fails_the_check(
     generated after the probe's long prompt reads the stale blocks and does not. The step
     under test moves the weights far (learning rate 0.5): only the last, partial block is
     computed with the new weights, and after CONFIG's smaller step the stale blocks moved the
-    next token less than the tolerance in 1 of 3 fresh-clone runs."""
+    next token less than the tolerance in 1 of 3 runs."""
     await policy.train(await groups(policy), CONFIG)  # the long prompt's blocks are cached
     engine_calls(backend, policy, monkeypatch, "/reset_prefix_cache", {})
     await check_refused_then_recovers(backend, policy, monkeypatch,
