@@ -22,6 +22,7 @@ from art_bfcl.checker import (
 from art_bfcl.multi_turn_rollout import MAX_STEPS, held_out_ids, multi_turn_episode
 from art_bfcl.tasks import (
     CATEGORIES,
+    OPEN_CATEGORIES,
     Attempt,
     CategoryResult,
     Prompting,
@@ -34,7 +35,8 @@ from art_bfcl.tasks import (
 
 __all__ = [
     "BFCL_VERSION", "CATEGORIES", "MAX_STEPS", "Attempt", "BfclUnavailable", "BfclWorker",
-    "CategoryResult", "Item", "MultiTurnItem", "MultiTurnVerdict", "Prompting", "Split",
+    "CategoryResult", "Item", "MultiTurnItem", "MultiTurnVerdict", "OPEN_CATEGORIES",
+    "Prompting", "Split",
     "Verdict", "evaluate", "held_out_ids", "make_split", "multi_turn_episode", "summarize",
     "table", "unavailable_reason",
 ]

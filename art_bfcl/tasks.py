@@ -9,6 +9,8 @@ documented in docs/bfcl.md:
   art_core/inference/tool_calls.py). BFCL's leaderboard leaves the choice to the model.
 - `parallel_tool_calls`: whether the grammar admits more than one call (BFCL's handler sends
   nothing, and OpenAI's API default is true).
+- `irrelevance` items (no offered function fits) are asked with `tool_choice="auto"`: whether to
+  call is what they test, and a forced call would fail them all.
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ CATEGORIES = ("simple_python", "multiple", "parallel")
 call (simple_python, 400 items); one of 2-4 functions (multiple, 200); several calls of one
 function (parallel, 200)."""
 
+OPEN_CATEGORIES = ("irrelevance",)
+"""Categories asked with the choice left to the model (`tool_choice="auto"`): BFCL's
+`irrelevance` (240 items) offers functions none of which fits, and passes a response that makes
+no call, so a model that learned to call everywhere fails it."""
+
 
 @dataclass(frozen=True)
 class Prompting:
-    """How an item is asked, the same before and after training (see the module docstring)."""
+    """How an item is asked, the same before and after training (see the module docstring).
+    `tool_choice` is for items with a right call; `OPEN_CATEGORIES` are always asked "auto"."""
 
     tool_choice: str = "required"
     parallel: str = "always"  # "always" | "never" | "category" (only in parallel categories)
@@ -43,7 +51,8 @@ class Prompting:
         """The keyword arguments of `chat.completions.create` for `item` (all but `model`)."""
         parallel = {"always": True, "never": False,
                     "category": "parallel" in item.category}[self.parallel]
-        return {"messages": item.messages, "tools": item.tools, "tool_choice": self.tool_choice,
+        choice = "auto" if item.category in OPEN_CATEGORIES else self.tool_choice
+        return {"messages": item.messages, "tools": item.tools, "tool_choice": choice,
                 "parallel_tool_calls": parallel, "temperature": self.temperature,
                 "max_tokens": self.max_tokens}
 

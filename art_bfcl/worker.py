@@ -28,7 +28,8 @@ Chat Completions model in function-calling mode:
    `_parse_query_response_FC` (tool calls, else the text), and scores it with
    `eval_runner._evaluate_single_ast_entry`: the handler's `decode_ast`, the format check and
    `ast_checker`, against the entry without the hint and its `possible_answer`, as
-   `bfcl evaluate` does.
+   `bfcl evaluate` does; an `irrelevance` entry with `_evaluate_single_relevance_entry`
+   (valid when the response decodes to no call).
 Any failure is answered as {"ok": false, "error": "..."}; the worker keeps serving.
 """
 
@@ -52,7 +53,10 @@ PROTOCOL_OUT, sys.stdout = sys.stdout, sys.stderr
 
 from bfcl_eval.constants.enums import Language, ReturnFormat  # noqa: E402
 from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING  # noqa: E402
-from bfcl_eval.eval_checker.eval_runner import _evaluate_single_ast_entry  # noqa: E402
+from bfcl_eval.eval_checker.eval_runner import (  # noqa: E402
+    _evaluate_single_ast_entry,
+    _evaluate_single_relevance_entry,
+)
 from bfcl_eval.model_handler.api_inference.openai_completion import (  # noqa: E402
     OpenAICompletionsHandler,
 )
@@ -67,8 +71,9 @@ from multi_turn import MultiTurn  # noqa: E402
 # is an OpenAI-compatible Chat Completions endpoint in function-calling mode, which BFCL runs
 # with OpenAICompletionsHandler; this is the registry's entry of that kind in 2026.3.23.
 REGISTRY = "openbmb/MiniCPM-SALA-FC"
-CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
-"""The single-turn Python AST categories this worker scores (BFCL's non-live AST set)."""
+CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
+"""The single-turn Python categories this worker scores: BFCL's non-live AST set, and
+`irrelevance` (no offered function fits: the right answer is no call; no ground truth)."""
 
 
 class Bfcl:
@@ -102,8 +107,9 @@ class Bfcl:
         if category not in self.checked:
             prompts = load_dataset_entry(category, include_prereq=False,
                                          include_language_specific_hint=False)
-            truth = {t["id"]: t["ground_truth"] for t in load_ground_truth_entry(category)}
-            self.checked[category] = {p["id"]: (p, truth[p["id"]]) for p in prompts}
+            truth = {} if "irrelevance" in category else {
+                t["id"]: t["ground_truth"] for t in load_ground_truth_entry(category)}
+            self.checked[category] = {p["id"]: (p, truth.get(p["id"], [])) for p in prompts}
         return self.checked[category]
 
     def check(self, category: str, item_id: str, message: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +125,11 @@ class Bfcl:
                 "tool_calls": message.get("tool_calls") or None}}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
         result = self.handler._parse_query_response_FC(response)["model_responses"]
+        if "irrelevance" in category:  # BFCL's relevance rule: passed when nothing decodes to a call
+            verdict = _evaluate_single_relevance_entry(
+                self.handler, item_id, result, prompt, self.model_dir, category)
+            return {"valid": bool(verdict["valid"]), "error": verdict.get("error", []),
+                    "error_type": verdict.get("error_type")}
         verdict = _evaluate_single_ast_entry(
             self.handler, item_id, result, truth, prompt, self.model_dir, category,
             language=Language.PYTHON, return_format=ReturnFormat.PYTHON)

@@ -34,6 +34,7 @@ from typing import Any
 
 from art_bfcl import (
     CATEGORIES,
+    OPEN_CATEGORIES,
     Attempt,
     BfclWorker,
     Item,
@@ -80,7 +81,9 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_BASE_MODEL,
                    help="a name the gateway serves: the base model, name or name@k "
                         "(default: %(default)s)")
-    p.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
+    p.add_argument("--categories", nargs="+", default=list(CATEGORIES),
+                   choices=CATEGORIES + OPEN_CATEGORIES,
+                   help="irrelevance is asked with tool_choice='auto' (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N items per category")
     p.add_argument("--split", type=Path, default=None,
                    help="a split.json saved by examples/bfcl_rl.py: only its held-out items")

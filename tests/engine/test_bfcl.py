@@ -1,7 +1,8 @@
 """BFCL end to end on the real engine with a tiny random model: items from BFCL's package,
 asked through the gateway with forced strict calls, scored by BFCL's checker in the side
 environment (benchmarks/bfcl_eval.py), and a GRPO step on the checker's rewards
-(examples/bfcl_rl.py). The model is random: what is checked is the wiring, not accuracy."""
+(examples/bfcl_rl.py), irrelevance items asked with the choice left to the model. The model is
+random: what is checked is the wiring, not accuracy."""
 
 from __future__ import annotations
 
@@ -65,12 +66,20 @@ async def test_evaluation_asks_through_the_gateway_and_bfcl_scores(tiny, worker,
 async def test_a_grpo_step_on_the_checkers_rewards(tiny, worker, items, monkeypatch):
     example = load_example("bfcl_rl")
     monkeypatch.setattr(example, "TRAIN", Prompting(temperature=1.0, max_tokens=MAX_TOKENS))
+    irrelevant = min(worker.load("irrelevance"), key=lambda i: len(json.dumps([i.messages,
+                                                                                 i.tools])))
     groups = []
-    for item in items[:2]:
-        trajs = [await example.attempt(tiny, worker, example.Task(item, held_out=False))
-                 for _ in range(3)]
+    for item in [*items[:2], irrelevant]:
+        trajs = [await example.attempt(tiny, worker, example.Task(item, held_out=False),
+                                       count_credit=0.5) for _ in range(3)]
         for t in trajs:
-            assert t.reward in (0.0, 1.0) and t.metrics["passed"] is (t.reward == 1.0)
+            # BFCL's pass, else the count credit for as many calls as the ground truth
+            assert t.reward == (1.0 if t.metrics["passed"] else 0.5 * t.metrics["right_count"])
+            if item is irrelevant:  # asked "auto" (a forced call would always fail it)
+                assert t.metrics["passed"] is not t.metrics["called"]
+                assert t.metrics["right_count"] is not t.metrics["called"]
+            else:
+                assert t.metrics["called"] or t.reward == 0.0
             assert t.metadata["id"] == item.id and t.metadata["category"] == item.category
             assert t.trainable and t.tools == item.tools
         groups.append(TrajectoryGroup(trajectories=trajs))

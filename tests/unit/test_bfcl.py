@@ -1,6 +1,6 @@
 """BFCL without an engine: the checker's verdicts and the tool conversion through the worker in
 the side environment (.venv-bfcl), the split, the table, and that every BFCL tool of the three
-categories is one the gateway can enforce (art_bfcl/)."""
+forced-call categories is one the gateway can enforce (art_bfcl/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from art_bfcl.checker import BFCL_VERSION, BfclWorker, Item, Verdict, unavailable_reason
-from art_bfcl.tasks import CATEGORIES, Prompting, Split, make_split, summarize, table
+from art_bfcl.tasks import (
+    CATEGORIES,
+    OPEN_CATEGORIES,
+    Prompting,
+    Split,
+    make_split,
+    summarize,
+    table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_worker = pytest.mark.skipif(unavailable_reason() is not None,
@@ -26,7 +34,7 @@ def worker():
 
 @pytest.fixture(scope="module")
 def items(worker) -> dict[str, dict[str, Item]]:
-    return {c: {i.id: i for i in worker.load(c)} for c in CATEGORIES}
+    return {c: {i.id: i for i in worker.load(c)} for c in (*CATEGORIES, *OPEN_CATEGORIES)}
 
 
 def call(name: str, **args) -> dict:
@@ -72,6 +80,12 @@ def test_worker_reports_its_version(worker):
      None, True, None),
     ("parallel", "parallel_0", [call("spotify_play", artist="Taylor Swift", duration=20)],
      None, False, "parallel_function_checker_no_order:wrong_count"),
+    # irrelevance_0: a BMI function offered for a question it cannot answer; BFCL's relevance
+    # rule passes any answer that makes no call, and fails any call, however well formed
+    ("irrelevance", "irrelevance_0", [], "I cannot do that with these tools.", True, None),
+    ("irrelevance", "irrelevance_0", [], None, True, None),
+    ("irrelevance", "irrelevance_0", [call("determine_body_mass_index", weight=70, height=1.75)],
+     None, False, "irrelevance_error:decoder_success"),
 ])
 def test_checker_verdicts(worker, items, category, item_id, calls, content, valid, error_type):
     verdict = worker.check(items[category][item_id], {"content": content, "tool_calls": calls})
@@ -175,14 +189,16 @@ def test_table_counts_per_category_with_wilson_intervals():
     assert two[1].startswith("step 0 ") and two[2].startswith("step 12 ")
 
 
-@pytest.mark.parametrize("mode,category,parallel", [
-    ("always", "simple_python", True), ("never", "parallel", False),
-    ("category", "parallel", True), ("category", "multiple", False)])
-def test_prompting_is_the_items_own_prompt_and_tools(mode, category, parallel):
+@pytest.mark.parametrize("mode,category,parallel,choice", [
+    ("always", "simple_python", True, "required"), ("never", "parallel", False, "required"),
+    ("category", "parallel", True, "required"), ("category", "multiple", False, "required"),
+    # whether to call is what irrelevance tests: never forced
+    ("always", "irrelevance", True, "auto"), ("category", "irrelevance", False, "auto")])
+def test_prompting_is_the_items_own_prompt_and_tools(mode, category, parallel, choice):
     item = Item("x", category, [{"role": "user", "content": "q"}], [{"type": "function"}], [])
     req = Prompting(parallel=mode).request(item)
     assert req["messages"] == item.messages and req["tools"] == item.tools
-    assert req["tool_choice"] == "required" and req["parallel_tool_calls"] is parallel
+    assert req["tool_choice"] == choice and req["parallel_tool_calls"] is parallel
 
 
 def test_a_missing_side_environment_is_a_clear_error(monkeypatch, tmp_path):
