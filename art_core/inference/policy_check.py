@@ -18,8 +18,8 @@ delta beside the merged step, the reload after an engine restart):
    (through the prefix cache, which prompt logprobs bypass).
 3. mean |served - trained| over the probe's tokens must be within the engine's
    `policy_check_tolerance`, and the mean |served - trained| over the trainer's likeliest next
-   tokens within
-   NEXT_TOLERANCE_FACTOR times it (one position is noisier than a mean over dozens). Beyond either
+   tokens within NEXT_TOLERANCE_FACTOR times it (one position is noisier than a mean over
+   dozens); a NaN on either side is a mismatch. Beyond either
    the publish fails loudly (`PolicyMismatch`): the previous step keeps serving, the step's
    history row and `/health` say so.
 
@@ -127,12 +127,13 @@ def check_served(engine: Any, name: str, checkpoint: Path, tolerance: float, *,
         nxt = compare_next(probe.next_top, engine.next_logprobs(adapter, probe.next_ids))
         metrics["policy_check_next_abs"] = nxt
     metrics["policy_check_seconds"] = time.perf_counter() - t0
-    if mean > tolerance:
+    # `not <=`: a NaN difference (a step that diverged, an engine that answered NaN) fails
+    if not mean <= tolerance:
         raise PolicyMismatch(
             f"{name}: what vLLM serves does not match what the trainer trained (mean "
             f"|logprob difference| {mean:.3f} over {len(probe.token_ids) - 1} probe tokens, max "
             f"{worst:.3f}; tolerance {tolerance}); {after}", metrics)
-    if nxt is not None and nxt > NEXT_TOLERANCE_FACTOR * tolerance:
+    if nxt is not None and not nxt <= NEXT_TOLERANCE_FACTOR * tolerance:
         raise PolicyMismatch(
             f"{name}: what vLLM generates does not match what the trainer trained (the next "
             f"token's logprobs after {len(probe.next_ids or [])} probe tokens are {nxt:.3f} "

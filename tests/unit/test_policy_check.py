@@ -71,7 +71,8 @@ def checkpoint(root: Path, step: int, probe: bool = True, full: bool = False) ->
 
 @pytest.mark.parametrize(("what", "shift", "ok"), [
     ("next", 0.0, True), ("next", 0.2, True), ("next", 0.5, False), ("next", -0.5, False),
-    ("base", 0.0, True), ("base", 0.5, False)])
+    ("next", float("nan"), False), ("base", 0.0, True), ("base", 0.5, False),
+    ("base", float("nan"), False)])
 def test_the_next_token_and_the_base_parts(tmp_path, what, shift, ok):
     """The next token (through the prefix cache) within 3x the tolerance; the base by name
     against the probe's base logprobs."""
@@ -111,7 +112,7 @@ def test_a_probe_without_the_base_part_leaves_the_base_unchecked(tmp_path):
 
 
 @pytest.mark.parametrize(("shift", "ok"), [(0.0, True), (0.05, True), (0.3, False),
-                                           (-0.3, False)])
+                                           (-0.3, False), (float("nan"), False)])
 def test_check_served_within_and_beyond_the_tolerance(tmp_path, shift, ok):
     engine = ProbeEngine()
     engine.shift["m@1"] = shift
@@ -123,7 +124,8 @@ def test_check_served_within_and_beyond_the_tolerance(tmp_path, shift, ok):
     else:
         with pytest.raises(PolicyMismatch, match=r"m@1: what vLLM serves does not match") as e:
             check_served(engine, "m@1", path, tolerance=0.1)
-        assert e.value.metrics["policy_check_mean_abs"] == pytest.approx(abs(shift))
+        assert e.value.metrics["policy_check_mean_abs"] == pytest.approx(abs(shift),
+                                                                         nan_ok=True)
 
 
 def test_no_manifest_or_no_scoring_is_not_checked(tmp_path):
