@@ -125,14 +125,13 @@ class Bfcl:
                 "tool_calls": message.get("tool_calls") or None}}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
         result = self.handler._parse_query_response_FC(response)["model_responses"]
-        if "irrelevance" in category:  # BFCL's relevance rule: passed when nothing decodes to a call
+        if "irrelevance" in category:  # BFCL's relevance rule: valid when nothing decodes to a call
             verdict = _evaluate_single_relevance_entry(
                 self.handler, item_id, result, prompt, self.model_dir, category)
-            return {"valid": bool(verdict["valid"]), "error": verdict.get("error", []),
-                    "error_type": verdict.get("error_type")}
-        verdict = _evaluate_single_ast_entry(
-            self.handler, item_id, result, truth, prompt, self.model_dir, category,
-            language=Language.PYTHON, return_format=ReturnFormat.PYTHON)
+        else:
+            verdict = _evaluate_single_ast_entry(
+                self.handler, item_id, result, truth, prompt, self.model_dir, category,
+                language=Language.PYTHON, return_format=ReturnFormat.PYTHON)
         return {"valid": bool(verdict["valid"]), "error": verdict.get("error", []),
                 "error_type": verdict.get("error_type")}
 

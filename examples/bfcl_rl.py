@@ -5,8 +5,8 @@ BFCL's own checker, on a 2-core CPU.
     python examples/bfcl_rl.py            # ~20 min on a 2-core CPU; again: 24 more steps
 
 1. Split (fixed, saved as <run dir>/split.json): per category (simple_python, multiple,
-   parallel, irrelevance) a seeded hash of each item's id orders the items; the first `HELD_OUT[c]` are held
-   out, the rest train. Held-out items are never trained on. A resumed run reuses the saved
+   parallel, irrelevance) a seeded hash of each item's id orders the items; the first
+   `HELD_OUT[c]` are held out, the rest train. Held-out items are never trained on. A resumed run reuses the saved
    split, and refuses one made with other settings.
 2. An attempt: the item's question and its functions as OpenAI tools (BFCL's own conversion),
    one chat completion with a forced strict call (the gateway holds the call to the tools'
