@@ -11,7 +11,9 @@
    come from a stream of shuffled passes over `train` seeded by the step, so a resumed run
    draws what an uninterrupted one would have. What sampling cost is in the step's metrics
    (`sampling_*`) and in `<run_dir>/sampling.jsonl`. `oversample=None` turns it off: the first
-   groups_per_step scenarios are trained whatever their rewards.
+   groups_per_step scenarios are trained whatever their rewards. `stratify(scenario)` (e.g. a
+   benchmark's category) shares each step's groups out over the strata, each drawn from its own
+   stream (sampling.py, step 5); which strata get the odd places turns with the step.
 3. `evaluate` again (and after every `eval_every` steps, for a curve).
 
 A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,12 @@ from typing import Any
 from art_core.gather import gather_trajectory_groups
 from art_core.model import TrainableModel, TrainResult
 from art_core.observe.base import wilson
-from art_core.sampling import DEFAULT_BUDGET, gather_signal_groups, shuffled_passes
+from art_core.sampling import (
+    DEFAULT_BUDGET,
+    gather_signal_groups,
+    interleave,
+    shuffled_passes,
+)
 from art_core.storage import append_jsonl, read_jsonl
 from art_core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
 
@@ -160,11 +167,13 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                      max_concurrency: int | None = None, eval_every: int | None = None,
                      max_exceptions: int | float = 0.5,
                      oversample: float | None = DEFAULT_BUDGET,
+                     stratify: Callable[[Any], Hashable] | None = None,
                      on_step: Callable[[TrainResult, list[TrajectoryGroup]], str] = step_line,
                      print_fn: Callable[[str], None] = print) -> LoopResult:
     """Evaluate, train `steps` GRPO steps, evaluate again (see the module docstring).
     `oversample`: groups drawn per group asked for, at most, while groups without signal are
-    replaced (None: off). `on_step` formats the line printed after each step."""
+    replaced (None: off). `stratify`: a scenario's stratum, to share each step's groups out
+    over the strata. `on_step` formats the line printed after each step."""
     if oversample is not None and (isinstance(oversample, bool)
                                    or not isinstance(oversample, int | float) or oversample < 1):
         raise ValueError(f"oversample must be None or a number >= 1, got {oversample!r}")
@@ -192,13 +201,14 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
     history = []
     for i in range(steps):
         # seeded by the step, so a resumed run draws what an uninterrupted one would have
-        stream = shuffled_passes(train, f"{seed}-{start + i}")
+        stream = draws(train, f"{seed}-{start + i}", start + i, stratify)
         description = f"step {start + i + 1} rollouts"
         sampling: dict[str, float] = {}
         if oversample is None:
+            flat = interleave(list(stream.values())) if isinstance(stream, dict) else stream
             groups = await gather_trajectory_groups(
                 ([rollout(s) for _ in range(rollouts_per_group)]
-                 for s in itertools.islice(stream, min(groups_per_step, len(train)))),
+                 for s in itertools.islice(flat, min(groups_per_step, len(train)))),
                 max_exceptions=max_exceptions, after_each=after_each,
                 max_concurrency=max_concurrency, description=description)
         else:
@@ -224,6 +234,20 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
             await held_out_at(result.step)
     after = await held_out_at(await model.get_step())
     return LoopResult(before=before, after=after, steps=history, evals=dict(sorted(evals.items())))
+
+
+def draws(train: list[Any], seed: str, step: int,
+          stratify: Callable[[Any], Hashable] | None) -> Iterator[Any] | dict[Hashable, Iterator]:
+    """A step's stream of scenarios, or with `stratify` one per stratum (in a fixed order
+    turned by `step`, so the odd places of an uneven share move round)."""
+    if stratify is None:
+        return shuffled_passes(train, seed)
+    strata: dict[Hashable, list[Any]] = {}
+    for s in train:
+        strata.setdefault(stratify(s), []).append(s)
+    keys = sorted(strata, key=str)
+    turn = step % len(keys)
+    return {k: shuffled_passes(strata[k], f"{seed}-{k}") for k in keys[turn:] + keys[:turn]}
 
 
 def load_eval_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:

@@ -23,17 +23,28 @@ a hard task most groups are like that (the demo measured 5 of 6 per step). DAPO 
    such warnings in a row mean the task is too easy or too hard for the model: raise the
    budget, or change the task's difficulty.)
 
+5. Strata (`scenarios` a mapping of stratum -> stream, e.g. a benchmark's categories): `n` and
+   the budget are split over the strata as evenly as they go (the first ones one more), and
+   each stratum runs steps 1-4 on its own stream within its share; a round draws from every
+   stratum still short at once. A stratum that finds no signal within its share leaves its
+   places to the other strata's surplus, in draw order. Without strata the groups with signal
+   come from whatever the model finds easiest to vary on: a category it has collapsed on (all
+   pass, or all fail the same way) is never trained on again, and the categories that still
+   vary take the whole step.
+
 `SignalGroups.metrics()` reports what the step cost: groups drawn, groups with signal, budget
-used, the reward over everything sampled (the trained groups alone are biased towards 0.5).
+used, the reward over everything sampled (the trained groups alone are biased towards 0.5), and
+per stratum the groups with signal kept (`sampling_signal_<stratum>`).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -62,6 +73,22 @@ def shuffled_passes(items: Sequence[T], seed: Any, offset: int = 0) -> Iterator[
                 yield items[i]
 
 
+def interleave(streams: Sequence[Iterator[T]]) -> Iterator[T]:
+    """One draw from each stream in turn, forever (streams that end are passed over)."""
+    live = list(streams)
+    while live:
+        for it in list(live):
+            try:
+                yield next(it)
+            except StopIteration:
+                live.remove(it)
+
+
+def shares(total: int, k: int) -> list[int]:
+    """`total` split over `k` parts as evenly as it goes, the first parts one more."""
+    return [total // k + (1 if i < total % k else 0) for i in range(k)]
+
+
 @dataclass
 class SignalGroups:
     """What `gather_signal_groups` found: the groups to train and what it cost."""
@@ -76,6 +103,7 @@ class SignalGroups:
     dropped: int = 0  # groups after_each dropped (None), or whose rollouts all failed
     scenarios: list[Any] = field(default_factory=list)  # every scenario drawn, in order
     sampled_rewards: list[float] = field(default_factory=list)  # every trajectory's reward
+    by_stratum: dict[str, int] = field(default_factory=dict)  # groups kept per stratum (if any)
 
     @property
     def complete(self) -> bool:
@@ -93,6 +121,7 @@ class SignalGroups:
             "sampling_budget_used": self.drawn / self.budget if self.budget else 0.0,
             "sampling_rounds": float(self.rounds),
             "sampling_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            **{f"sampling_signal_{k}": float(v) for k, v in self.by_stratum.items()},
         }
 
 
@@ -105,9 +134,82 @@ def round_size(asked: int, found: int, drawn: int, budget: int) -> int:
     return max(0, min(math.ceil((asked - found) / rate), budget - drawn))
 
 
+def _keeping_places(after_each: AfterEach | None) -> AfterEach | None:
+    """`after_each` with a dropped group kept as an empty one, so that the result lines up with
+    the scenarios drawn (gather omits dropped groups)."""
+    if after_each is None:
+        return None
+
+    async def keep(group: TrajectoryGroup) -> TrajectoryGroup:
+        kept = after_each(group)
+        if inspect.isawaitable(kept):
+            kept = await kept
+        return TrajectoryGroup(trajectories=[]) if kept is None else kept
+
+    return keep
+
+
+@dataclass
+class _Stratum:
+    """One stratum's stream and what it has found so far."""
+
+    key: Hashable
+    stream: Iterator[Any]
+    quota: int  # groups with signal asked of it (grows by the places other strata hand on)
+    budget: int  # groups it may draw
+    share: int = 0  # its quota at the start, for the report
+    drawn: int = 0
+    exhausted: bool = False
+    kept: list[TrajectoryGroup] = field(default_factory=list)  # with signal, in draw order
+    spare: list[TrajectoryGroup] = field(default_factory=list)  # with signal, beyond the quota
+
+    @property
+    def can_draw(self) -> bool:
+        return not self.exhausted and self.drawn < self.budget
+
+    def keep(self, group: TrajectoryGroup) -> None:
+        (self.kept if len(self.kept) < self.quota else self.spare).append(group)
+
+    def next_round(self) -> list[Any]:
+        if len(self.kept) >= self.quota or self.exhausted:
+            return []
+        size = round_size(self.quota, len(self.kept), self.drawn, self.budget)
+        picked = list(itertools.islice(self.stream, size))
+        self.exhausted = len(picked) < size
+        self.drawn += len(picked)
+        return picked
+
+
+def _hand_on(strata: list[_Stratum]) -> bool:
+    """Give the places a stratum can no longer fill (its budget or scenarios spent) to the
+    strata that can still draw, as evenly as they go; a stratum's spare groups fill them first.
+    Whether any place moved."""
+    live = [st for st in strata if st.can_draw]
+    short = [st for st in strata if not st.can_draw and len(st.kept) < st.quota]
+    places = sum(st.quota - len(st.kept) for st in short)
+    if not live or not places:
+        return False
+    for st in short:
+        st.quota = len(st.kept)
+    for st, extra in zip(live, shares(places, len(live)), strict=True):
+        st.quota += extra
+        while st.spare and len(st.kept) < st.quota:
+            st.kept.append(st.spare.pop(0))
+    return True
+
+
+def _next_round(strata: list[_Stratum]) -> list[tuple[_Stratum, Any]]:
+    """The scenarios of the next round, each with its stratum (none: nothing left to draw)."""
+    _hand_on(strata)
+    picked = [(st, s) for st in strata for s in st.next_round()]
+    while not picked and _hand_on(strata):  # a stratum ran out while picking: hand on again
+        picked = [(st, s) for st in strata for s in st.next_round()]
+    return picked
+
+
 async def gather_signal_groups(
     make_group: Callable[[Any], Iterable[Awaitable[Trajectory]]],
-    scenarios: Iterable[Any],
+    scenarios: Iterable[Any] | Mapping[Hashable, Iterable[Any]],
     n_groups: int,
     *,
     max_groups: int | None = None,
@@ -119,8 +221,9 @@ async def gather_signal_groups(
 ) -> SignalGroups:
     """Draw groups (`make_group(scenario)`: the rollouts of one scenario) from `scenarios` until
     `n_groups` of them have signal or `max_groups` (default `DEFAULT_BUDGET` x n_groups) have
-    been drawn. See the module docstring. `max_exceptions` applies per round, as in
-    `gather_trajectory_groups`, which raises `GatherError` beyond it."""
+    been drawn. `scenarios` may map strata to streams: the groups and the budget are then
+    shared out over them (step 5 of the module docstring). `max_exceptions` applies per round,
+    as in `gather_trajectory_groups`, which raises `GatherError` beyond it."""
     if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
         raise ValueError(f"n_groups must be an integer >= 1, got {n_groups!r}")
     if max_groups is None:
@@ -128,41 +231,49 @@ async def gather_signal_groups(
     if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < n_groups:
         raise ValueError(f"max_groups must be an integer >= n_groups ({n_groups}), "
                          f"got {max_groups!r}")
-    stream = iter(scenarios)
+    stratified = isinstance(scenarios, Mapping)
+    streams = dict(scenarios) if stratified else {None: scenarios}
+    if not streams:
+        raise ValueError("scenarios: no strata to draw from")
+    strata = [_Stratum(key, iter(it), quota, budget, share=quota) for (key, it), quota, budget
+              in zip(streams.items(), shares(n_groups, len(streams)),
+                     shares(max_groups, len(streams)), strict=True)]
     out = SignalGroups(groups=[], skipped=[], asked=n_groups, drawn=0, budget=max_groups,
                        rounds=0)
-    exhausted = False
-    while not out.complete and not exhausted:
-        size = round_size(n_groups, len(out.groups), out.drawn, max_groups)
-        if size == 0:
-            break
-        picked = list(itertools.islice(stream, size))
-        exhausted = len(picked) < size
-        if not picked:
-            break
+    while picked := _next_round(strata):
         out.rounds += 1
         out.drawn += len(picked)
-        out.scenarios.extend(picked)
-        label = (f"{description} ({len(out.groups)}/{n_groups} with signal, "
+        out.scenarios.extend(s for _, s in picked)
+        found = sum(len(st.kept) for st in strata)
+        label = (f"{description} ({found}/{n_groups} with signal, "
                  f"{out.drawn}/{max_groups} drawn)" if out.rounds > 1 else description)
         done = await gather_trajectory_groups(
-            (make_group(s) for s in picked), max_exceptions=max_exceptions,
-            after_each=after_each, max_concurrency=max_concurrency,
+            (make_group(s) for _, s in picked), max_exceptions=max_exceptions,
+            after_each=_keeping_places(after_each), max_concurrency=max_concurrency,
             show_progress=show_progress, description=label)
         out.dropped += len(picked) - sum(1 for g in done if g.trajectories)
-        for group in done:
+        for (st, _), group in zip(picked, done, strict=True):
             out.sampled_rewards.extend(group.rewards)
             if not group.trajectories:
                 continue
-            if not group.has_signal:
-                out.skipped.append(group)
-            elif out.complete:
-                out.surplus += 1
+            if group.has_signal:
+                st.keep(group)
             else:
-                out.groups.append(group)
+                out.skipped.append(group)
+    # places no stratum could still draw for go to the spare groups, in stratum order
+    for st in strata:
+        while st.spare and sum(len(x.kept) for x in strata) < n_groups:
+            st.kept.append(st.spare.pop(0))
+    out.groups = [g for st in strata for g in st.kept]
+    out.surplus = sum(len(st.spare) for st in strata)
+    if stratified:
+        out.by_stratum = {str(st.key): len(st.kept) for st in strata}
+    exhausted = any(st.exhausted and len(st.kept) < st.share for st in strata)
     if not out.complete and (exhausted or max_groups > n_groups):  # (no budget: nothing asked)
         why = "the scenarios ran out" if exhausted else "the budget ran out"
-        log.warning("%s: %d of %d groups with signal after drawing %d (max_groups=%d): %s; "
+        per = ("; per stratum " + ", ".join(f"{st.key} {len(st.kept)}/{st.share} of {st.drawn}"
+                                             for st in strata)) if stratified else ""
+        log.warning("%s: %d of %d groups with signal after drawing %d (max_groups=%d): %s%s; "
                     "training on those", description, len(out.groups), n_groups, out.drawn,
-                    max_groups, why)
+                    max_groups, why, per)
     return out

@@ -90,6 +90,7 @@ class Settings:
     held_out: dict[str, int] = field(default_factory=lambda: dict(HELD_OUT))
     oversample: float = 3.0  # dynamic sampling: items drawn per step, at most, per item trained
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
+    balance: bool = True  # each step's groups shared out over the categories (strata)
 
 
 async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
@@ -177,7 +178,8 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                 steps=s.steps, groups_per_step=s.groups_per_step,
                 rollouts_per_group=s.rollouts_per_group, eval_rollouts=1,
                 train_config=TrainConfig(learning_rate=s.learning_rate), seed=s.seed,
-                max_concurrency=16, oversample=s.oversample, on_step=step_line)
+                max_concurrency=16, oversample=s.oversample, on_step=step_line,
+                stratify=(lambda task: task.item.category) if s.balance else None)
             first, last = min(loop.evals), loop.after.step
             before = summarize(held_out_results(run_dir, first))
             after = summarize(held_out_results(run_dir, last))
@@ -204,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count-credit", type=float, default=d.count_credit,
                    help="reward of a failed answer that made as many calls as the ground truth "
                         "(0: BFCL's pass/fail alone) (default: %(default)s)")
+    p.add_argument("--no-balance", dest="balance", action="store_false",
+                   help="draw the step's items from all categories at once, not an even share "
+                        "of each")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
-                                     count_credit=a.count_credit),
+                                     count_credit=a.count_credit, balance=a.balance),
                     a.fresh))
     return 0
 

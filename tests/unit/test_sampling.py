@@ -114,6 +114,54 @@ async def test_bad_settings_are_refused_by_name(kwargs, message):
         await gather_signal_groups(make_group, stream("MM"), show_progress=False, **kwargs)
 
 
+def strata(**kinds: str) -> dict[str, list[tuple[str, int]]]:
+    """strata(x="MA", y="AA"): per stratum a stream, indices 100 apart to tell them apart."""
+    return {k: [(s[0], 100 * n + s[1]) for s in stream(v)]
+            for n, (k, v) in enumerate(kinds.items())}
+
+
+@pytest.mark.parametrize(("kinds", "asked", "budget", "kept", "drawn", "warned"), [
+    # an even share each, one round
+    ({"x": "MMMM", "y": "MMMM"}, 4, 8, {"x": 2, "y": 2}, 4, False),
+    # y never varies: once its share of the budget (4) is spent its places go to x
+    ({"x": "MMMMMMMM", "y": "AAAAAAAA"}, 4, 8, {"x": 4, "y": 0}, 8, False),
+    # y runs out of scenarios: its place goes to x, which draws once more
+    ({"x": "MMM", "y": "A"}, 2, 4, {"x": 2, "y": 0}, 3, False),
+    # x's round 2 finds one more than its share; with nothing left to draw it fills y's place
+    ({"x": "MAMM", "y": "AAAA"}, 4, 8, {"x": 3, "y": 0}, 8, True),
+    # an uneven share: the first stratum gets the odd place
+    ({"x": "MMM", "y": "MMM"}, 3, 6, {"x": 2, "y": 1}, 3, False),
+])
+async def test_strata_share_the_step_and_hand_on_what_they_cannot_fill(
+        kinds, asked, budget, kept, drawn, warned, caplog):
+    with caplog.at_level(logging.WARNING, logger="art_core.sampling"):
+        out = await gather_signal_groups(make_group, strata(**kinds), asked, max_groups=budget,
+                                         show_progress=False, description="step 1")
+    assert (out.by_stratum, out.drawn) == (kept, drawn)
+    assert len(out.groups) == sum(kept.values()) and all(g.has_signal for g in out.groups)
+    per = {k: sum(g.trajectories[0].metadata["scenario"] in {str(s) for s in v}
+                  for g in out.groups) for k, v in strata(**kinds).items()}
+    assert per == kept  # the groups are the ones reported per stratum
+    m = out.metrics()
+    assert {k: m[f"sampling_signal_{k}"] for k in kinds} == kept
+    messages = [r.message for r in caplog.records if "groups with signal" in r.message]
+    assert bool(messages) == warned
+    if warned:
+        assert "per stratum x 3/2 of 4, y 0/2 of 4" in messages[0]
+
+
+async def test_strata_keep_their_places_when_after_each_drops_a_group():
+    def drop_first(group: TrajectoryGroup) -> TrajectoryGroup | None:
+        return None if group.trajectories[0].metadata["scenario"] == str((MIXED, 0)) else group
+
+    out = await gather_signal_groups(make_group, strata(x="MMMM", y="MMMM"), 4, max_groups=8,
+                                     after_each=drop_first, show_progress=False)
+    # x's first group dropped: x draws again; y's two are y's
+    assert (out.by_stratum, out.dropped) == ({"x": 2, "y": 2}, 1)
+    assert sorted(g.trajectories[0].metadata["scenario"] for g in out.groups) == \
+        sorted(str(s) for s in [(MIXED, 1), (MIXED, 2), (MIXED, 100), (MIXED, 101)])
+
+
 def test_shuffled_passes_visit_each_once_per_pass_and_resume_at_an_offset():
     items = list(range(5))
     draws = [x for x, _ in zip(shuffled_passes(items, 3), range(15), strict=False)]
@@ -168,6 +216,33 @@ async def test_the_loop_without_dynamic_sampling_trains_what_it_drew(tmp_path):
     assert len(model.trained[0]) == 2 and "sampling_groups_drawn" not in result.steps[0]
     with pytest.raises(ValueError, match="oversample must be None or a number >= 1"):
         await loop(model, tmp_path, steps=1, oversample=0.5)
+
+
+async def stratified_loop(model: CountingModel, run_dir, steps: int, **kw: Any):
+    """Scenarios (stratum, index): 10 of stratum 'a' for each of 'b', every group mixed."""
+    train = [("a" if i % 11 else "b", i) for i in range(44)]
+    counts: dict[Any, int] = {}
+
+    async def one(scenario: tuple[str, int]) -> Trajectory:
+        counts[scenario] = counts.get(scenario, -1) + 1
+        return traj(float(counts[scenario] % 2), scenario)  # 0, 1, 0, ...: every group mixed
+
+    return await train_loop(model, one, train, [("a", 100)], run_dir, steps=steps,
+                            groups_per_step=2, rollouts_per_group=8, eval_rollouts=1,
+                            stratify=lambda s: s[0], print_fn=lambda s: None, **kw)
+
+
+@pytest.mark.parametrize("oversample", [3.0, None])
+async def test_the_loop_shares_each_step_over_the_strata(tmp_path, oversample):
+    model = CountingModel()
+    await stratified_loop(model, tmp_path, steps=4, oversample=oversample)
+    # 'b' is 1 in 11 of the scenarios, yet every step trains one group of each
+    assert [sorted(x[2] for x in step) for step in model.trained] == [["a", "b"]] * 4
+    assert len({x for step in model.trained for x in step}) > 2  # each step draws anew
+    resumed = CountingModel()
+    await stratified_loop(resumed, tmp_path / "r", steps=1, oversample=oversample)
+    await stratified_loop(resumed, tmp_path / "r", steps=3, oversample=oversample)
+    assert resumed.trained == model.trained  # a resumed run draws the same strata streams
 
 
 async def test_no_budget_means_no_warning(caplog):
