@@ -2,7 +2,7 @@
 choose a function and fill its arguments, and when no function fits, not to call one, scored by
 BFCL's own checker, on a 2-core CPU.
 
-    python examples/bfcl_rl.py            # ~20 min on a 2-core CPU; again: 24 more steps
+    python examples/bfcl_rl.py            # ~25-30 min on a 2-core CPU; again: 12 more steps
 
 1. Split (fixed, saved as <run dir>/split.json): per category (simple_python, multiple,
    parallel, irrelevance) a seeded hash of each item's id orders the items; the first
@@ -22,7 +22,11 @@ BFCL's own checker, on a 2-core CPU.
    10% -> 0% in three runs of 24 steps). Held-out accuracy is BFCL's pass/fail alone.
 4. Before training, and after, every held-out item is asked once, greedily (BFCL asks at
    temperature 0.001); the table is BFCL's accuracy per category with 95% Wilson intervals.
-5. Each step: `groups_per_step` training items x `rollouts_per_group` attempts sampled at
+5. Each step: `groups_per_step` training items with signal (dynamic sampling: items whose
+   attempts all score alike are replaced, up to `oversample` x as many drawn), shared out over
+   the four categories (`balance`: without it the steps fill up with the categories the model
+   still varies on, and parallel, on which it collapses to one call, is hardly trained: 3 of 60
+   groups in 12 steps, 18 of 68 with it), x `rollouts_per_group` attempts sampled at
    `TEMPERATURE`, one GRPO step on a LoRA, hot-swap (art_core.loop.train_loop).
 
 The prompting is the same before and after: only the weights change. Several calls are
@@ -82,7 +86,7 @@ class Task:
 
 @dataclass
 class Settings:
-    steps: int = 24
+    steps: int = 12  # ~25-30 min here; held-out simple_python+multiple ~47% (docs/bfcl.md)
     groups_per_step: int = 6
     rollouts_per_group: int = 8
     learning_rate: float = 1e-3
