@@ -26,11 +26,11 @@ a hard task most groups are like that (the demo measured 5 of 6 per step). DAPO 
 5. Strata (`scenarios` a mapping of stratum -> stream, e.g. a benchmark's categories): `n` and
    the budget are split over the strata as evenly as they go (the first ones one more), and
    each stratum runs steps 1-4 on its own stream within its share; a round draws from every
-   stratum still short at once. A stratum that finds no signal within its share leaves its
-   places to the other strata's surplus, in draw order. Without strata the groups with signal
-   come from whatever the model finds easiest to vary on: a category it has collapsed on (all
-   pass, or all fail the same way) is never trained on again, and the categories that still
-   vary take the whole step.
+   stratum still short at once. A stratum that spends its budget or its scenarios without
+   filling its places hands them to the strata that can still draw (their spare groups with
+   signal first); places nobody can draw for go to any spare left. Without strata the groups
+   with signal come from whatever the model still varies on: a category it has collapsed on
+   (all pass, or all fail alike) is never trained on again, and the others take the step.
 
 `SignalGroups.metrics()` reports what the step cost: groups drawn, groups with signal, budget
 used, the reward over everything sampled (the trained groups alone are biased towards 0.5), and
