@@ -16,12 +16,12 @@ delta beside the merged step, the reload after an engine restart):
    prompt logprobs through a LoRA) for the prompt logprobs of the same ids under the name vLLM
    serves the step as, and for the top logprobs of one generated token after the long prompt
    (through the prefix cache, which prompt logprobs bypass).
-3. mean |served - trained| over the probe's tokens must be within the engine's
-   `policy_check_tolerance`, and the mean |served - trained| over the trainer's likeliest next
-   tokens within NEXT_TOLERANCE_FACTOR times it (one position is noisier than a mean over
-   dozens); a NaN on either side is a mismatch. Beyond either
-   the publish fails loudly (`PolicyMismatch`): the previous step keeps serving, the step's
-   history row and `/health` say so.
+3. mean |served - trained| over the probe's tokens must be within the model's
+   `policy_check_tolerance` ('auto': 0.1 served in float32, 0.2 in bf16: `tolerance_for`), and
+   the mean |served - trained| over the trainer's likeliest next tokens within
+   NEXT_TOLERANCE_FACTOR times it (one position is noisier than a mean over dozens); a NaN on
+   either side is a mismatch. Beyond either the publish fails loudly (`PolicyMismatch`): the
+   previous step keeps serving, the step's history row and `/health` say so.
 
 With merged weights, every other name is served as a delta LoRA built when first asked for after
 a merge; the gateway checks each such delta the first time it is served (`name@k` against step
@@ -56,6 +56,17 @@ class PolicyMismatch(RuntimeError):
 
 
 NEXT_TOLERANCE_FACTOR = 3.0
+TOLERANCE = {"float32": 0.1, "bfloat16": 0.2, "float16": 0.2}
+"""The tolerance 'auto' means by the dtype vLLM serves in (EngineConfig.policy_check_tolerance
+says what was measured)."""
+
+
+def tolerance_for(tolerance: float | str | None, served_dtype: str) -> float | None:
+    """A model's `policy_check_tolerance` on an engine that serves in `served_dtype`: 'auto'
+    resolved for that dtype ('auto' left to vLLM, on CUDA, taken as bf16)."""
+    if tolerance != "auto":
+        return tolerance  # type: ignore[return-value]
+    return TOLERANCE.get(served_dtype, TOLERANCE["bfloat16"])
 
 
 @dataclass

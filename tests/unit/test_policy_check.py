@@ -14,7 +14,7 @@ import pytest
 
 from art_core import EngineConfig, LoraConfig, TrainConfig
 from art_core.inference.gateway import Gateway
-from art_core.inference.policy_check import PolicyMismatch, check_served, compare
+from art_core.inference.policy_check import PolicyMismatch, check_served, compare, tolerance_for
 from art_core.train.probe import NEXT_PROMPT_LEN, PROBE_FILE, write_probe
 
 IDS = [5, 6, 7, 8, 9]
@@ -126,6 +126,25 @@ def test_check_served_within_and_beyond_the_tolerance(tmp_path, shift, ok):
             check_served(engine, "m@1", path, tolerance=0.1)
         assert e.value.metrics["policy_check_mean_abs"] == pytest.approx(abs(shift),
                                                                          nan_ok=True)
+
+
+@pytest.mark.parametrize(("setting", "served", "tolerance"), [
+    ("auto", "float32", 0.1),  # float32 numerics differ by ~1e-5
+    ("auto", "bfloat16", 0.2),  # bf16 on both sides: SmolLM2 merged differs by 0.04-0.105
+    ("auto", "float16", 0.2),
+    ("auto", "auto", 0.2),  # vLLM's pick on CUDA: bf16
+    (0.05, "bfloat16", 0.05),  # a number is taken as it is
+    (None, "float32", None),  # no check
+])
+def test_the_tolerance_follows_the_served_dtype(setting, served, tolerance):
+    assert EngineConfig(policy_check_tolerance=setting).policy_check_tolerance == setting
+    assert tolerance_for(setting, served) == tolerance
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, "high"])
+def test_a_tolerance_that_is_not_positive_or_auto_is_refused(bad):
+    with pytest.raises(ValueError, match="policy_check_tolerance"):
+        EngineConfig(policy_check_tolerance=bad)
 
 
 def test_no_manifest_or_no_scoring_is_not_checked(tmp_path):
