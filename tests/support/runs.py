@@ -33,6 +33,7 @@ class StubEngine:
         self.served_name = served_name
         self.adapters: dict[str, Path] = {}
         self.config = EngineConfig()
+        self.dtype = "float32"
         self.max_lora_rank = 8
         self.state = "ready"
         self.loads: list[str] = []
