@@ -48,6 +48,8 @@ class Verdict:
     valid: bool
     error_type: str | None = None
     error: tuple[str, ...] = ()
+    matched: int = 0  # the ground truth's calls that a call of the answer passes, one to one
+    expected: int = 0  # the ground truth's calls (0 for irrelevance)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ class BfclWorker:
                  for k, c in enumerate(message.get("tool_calls") or [])]
         v = self._call({"op": "check", "category": item.category, "id": item.id,
                         "message": {"content": message.get("content"), "tool_calls": calls}})
-        return Verdict(valid=v["valid"], error_type=v["error_type"], error=tuple(v["error"]))
+        return Verdict(valid=v["valid"], error_type=v["error_type"], error=tuple(v["error"]),
+                       matched=v["matched"], expected=v["expected"])
 
     def multi_turn(self, category: str = "multi_turn_base") -> list[MultiTurnItem]:
         """Every entry of a BFCL multi-turn category, in the package's order."""

@@ -11,7 +11,8 @@ line on stdout:
                                                "functions", "ground_truth"}, ...]}
     {"op": "check", "category": ..., "id": ..., "message": {"content", "tool_calls"}}
                                            -> {"ok": true, "valid": bool, "error": [...],
-                                               "error_type": str | null}
+                                               "error_type": str | null, "matched": int,
+                                               "expected": int}
 
 Multi-turn (`multi_turn.py`, imported from this file's folder): {"op": "mt_load", "category"}
 -> items with their user turns, tools and ground truth; {"op": "mt_execute", "id", "session",
@@ -29,7 +30,9 @@ Chat Completions model in function-calling mode:
    `eval_runner._evaluate_single_ast_entry`: the handler's `decode_ast`, the format check and
    `ast_checker`, against the entry without the hint and its `possible_answer`, as
    `bfcl evaluate` does; an `irrelevance` entry with `_evaluate_single_relevance_entry`
-   (valid when the response decodes to no call).
+   (valid when the response decodes to no call). `matched`: how many of the `expected` calls
+   (the ground truth's) a call of the response passes alone, paired one to one as the parallel
+   checker pairs them (a partial credit for an answer that fails).
 Any failure is answered as {"ok": false, "error": "..."}; the worker keeps serving.
 """
 
@@ -132,8 +135,28 @@ class Bfcl:
             verdict = _evaluate_single_ast_entry(
                 self.handler, item_id, result, truth, prompt, self.model_dir, category,
                 language=Language.PYTHON, return_format=ReturnFormat.PYTHON)
-        return {"valid": bool(verdict["valid"]), "error": verdict.get("error", []),
-                "error_type": verdict.get("error_type")}
+        valid = bool(verdict["valid"])
+        return {"valid": valid, "error": verdict.get("error", []),
+                "error_type": verdict.get("error_type"),
+                "matched": len(truth) if valid else self._matched(item_id, result, truth, prompt),
+                "expected": len(truth)}
+
+    def _matched(self, item_id: str, result: Any, truth: list, prompt: dict) -> int:
+        """How many of the possible answers' calls a call of the response matches, one to one:
+        BFCL's parallel checker's pairing (each expected call takes the first unpaired call that
+        passes its per-call check), counted instead of all-or-nothing."""
+        calls = result if isinstance(result, list) else []
+        free, matched = list(range(len(calls))), 0
+        for expected in truth:
+            for k in free:
+                one = _evaluate_single_ast_entry(
+                    self.handler, item_id, [calls[k]], [expected], prompt, self.model_dir,
+                    "parallel", language=Language.PYTHON, return_format=ReturnFormat.PYTHON)
+                if one["valid"]:
+                    free.remove(k)
+                    matched += 1
+                    break
+        return matched
 
 
 def _known(category: str) -> None:

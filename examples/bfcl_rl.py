@@ -16,10 +16,15 @@ BFCL's own checker, on a 2-core CPU.
    (`tool_choice="auto"`); BFCL passes it when the answer makes no call.
 3. Reward = 1 when the checker passes the answer; else `count_credit` (default 0.2) when it made
    as many calls as the item's ground truth holds (none for irrelevance, two to four for
-   parallel), else 0. The count credit keeps a signal on *how many* calls in groups where no
+   parallel), plus `call_credit` (default 0.5) x the share of the ground truth's calls it made
+   right, each call passing BFCL's per-call check, over as many calls as it made if more
+   (`Verdict.matched`). The count credit keeps a signal on *how many* calls in groups where no
    attempt passes: with pass/fail alone, once the model learned "one call" from the single-call
    items, every parallel group failed all 8 attempts and was never trained on again (parallel
-   10% -> 0% in three runs of 24 steps). Held-out accuracy is BFCL's pass/fail alone.
+   10% -> 0% in three runs of 24 steps). With the count credit alone, the held-out parallel
+   answers after training made one right call and stopped (`math_factorial(5)` for "the
+   factorial of 5, 7 and 9"): the call credit makes each further right call worth more,
+   a ladder up to the pass. Held-out accuracy is BFCL's pass/fail alone.
 4. Before training, and after, every held-out item is asked once, greedily (BFCL asks at
    temperature 0.001); the table is BFCL's accuracy per category with 95% Wilson intervals.
 5. Each step: `groups_per_step` training items with signal (dynamic sampling: items whose
@@ -94,13 +99,15 @@ class Settings:
     held_out: dict[str, int] = field(default_factory=lambda: dict(HELD_OUT))
     oversample: float = 3.0  # dynamic sampling: items drawn per step, at most, per item trained
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
+    call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
 
 
 async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
-                  count_credit: float = 0.0) -> Trajectory:
-    """One attempt at a task, as a trainable trajectory scored by BFCL's checker (and
-    `count_credit` for a failed answer with the right number of calls: step 3 above)."""
+                  count_credit: float = 0.0, call_credit: float = 0.0) -> Trajectory:
+    """One attempt at a task, as a trainable trajectory scored by BFCL's checker, and for a
+    failed answer, `count_credit` for the right number of calls and `call_credit` times the
+    share of calls it got right (step 3 above)."""
     item = task.item
     prompting = EVAL if task.held_out else TRAIN
     traj = Trajectory(messages=[dict(m) for m in item.messages], tools=item.tools)
@@ -110,8 +117,11 @@ async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
     verdict = worker.check(item, message)  # ~0.1 ms: no thread needed
     calls = len(message.get("tool_calls") or [])
     right_count = calls == len(item.ground_truth)  # irrelevance: no ground truth, no call
-    traj.reward = 1.0 if verdict.valid else count_credit * right_count
+    right_calls = verdict.matched / max(verdict.expected, calls, 1)  # extra calls count against
+    traj.reward = (1.0 if verdict.valid
+                   else count_credit * right_count + call_credit * right_calls)
     traj.metrics["passed"] = verdict.valid
+    traj.metrics["right_calls"] = right_calls
     traj.metrics["called"] = calls > 0
     traj.metrics["right_count"] = right_count
     traj.metadata.update(id=item.id, category=item.category,
@@ -177,7 +187,7 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                   + ", ".join(f"{c} {len(v)}" for c, v in split.held_out.items())
                   + "; train " + ", ".join(f"{c} {len(v)}" for c, v in split.train.items()))
             loop = await train_loop(
-                model, lambda task: attempt(model, worker, task, s.count_credit), train, held,
+                model, lambda task: attempt(model, worker, task, s.count_credit, s.call_credit), train, held,
                 run_dir,
                 steps=s.steps, groups_per_step=s.groups_per_step,
                 rollouts_per_group=s.rollouts_per_group, eval_rollouts=1,
@@ -210,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count-credit", type=float, default=d.count_credit,
                    help="reward of a failed answer that made as many calls as the ground truth "
                         "(0: BFCL's pass/fail alone) (default: %(default)s)")
+    p.add_argument("--call-credit", type=float, default=d.call_credit,
+                   help="reward of a failed answer per share of the ground truth's calls it "
+                        "made right, over as many calls as it made if more (default: "
+                        "%(default)s)")
     p.add_argument("--no-balance", dest="balance", action="store_false",
                    help="draw the step's items from all categories at once, not an even share "
                         "of each")
@@ -217,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
-                                     count_credit=a.count_credit, balance=a.balance),
+                                     count_credit=a.count_credit, call_credit=a.call_credit,
+                                     balance=a.balance),
                     a.fresh))
     return 0
 

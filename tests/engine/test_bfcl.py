@@ -71,10 +71,13 @@ async def test_a_grpo_step_on_the_checkers_rewards(tiny, worker, items, monkeypa
     groups = []
     for item in [*items[:2], irrelevant]:
         trajs = [await example.attempt(tiny, worker, example.Task(item, held_out=False),
-                                       count_credit=0.5) for _ in range(3)]
+                                       count_credit=0.5, call_credit=0.25) for _ in range(3)]
         for t in trajs:
-            # BFCL's pass, else the count credit for as many calls as the ground truth
-            assert t.reward == (1.0 if t.metrics["passed"] else 0.5 * t.metrics["right_count"])
+            # BFCL's pass, else the count credit for as many calls as the ground truth and the
+            # call credit for the share of its calls made right
+            assert t.reward == (1.0 if t.metrics["passed"] else 0.5 * t.metrics["right_count"]
+                                + 0.25 * t.metrics["right_calls"])
+            assert 0 <= t.metrics["right_calls"] <= 1
             if item is irrelevant:  # asked "auto" (a forced call would always fail it)
                 assert t.metrics["passed"] is not t.metrics["called"]
                 assert t.metrics["right_count"] is not t.metrics["called"]

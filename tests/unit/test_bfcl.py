@@ -53,45 +53,59 @@ def test_worker_reports_its_version(worker):
 
 
 @needs_worker
-@pytest.mark.parametrize("category,item_id,calls,content,valid,error_type", [
+@pytest.mark.parametrize("category,item_id,calls,content,valid,error_type,matched", [
     # simple_python_0: calculate_triangle_area(base=10, height=5), unit optional ("units")
     ("simple_python", "simple_python_0", [call("calculate_triangle_area", base=10, height=5)],
-     None, True, None),
+     None, True, None, 1),
     ("simple_python", "simple_python_0",
-     [call("calculate_triangle_area", base=10, height=5, unit="units")], None, True, None),
+     [call("calculate_triangle_area", base=10, height=5, unit="units")], None, True, None, 1),
     ("simple_python", "simple_python_0", [call("calculate_triangle_area", base=10, height=6)],
-     None, False, "value_error:others"),
+     None, False, "value_error:others", 0),
     ("simple_python", "simple_python_0", [call("calculate_triangle_area", base=10)], None,
-     False, "simple_function_checker:missing_required"),
+     False, "simple_function_checker:missing_required", 0),
     ("simple_python", "simple_python_0", [call("calculate_triangle_area", base="10", height=5)],
-     None, False, "type_error:simple"),
+     None, False, "type_error:simple", 0),
     ("simple_python", "simple_python_0", [], "The area is 25.", False,
-     "ast_decoder:decoder_failed"),
+     "ast_decoder:decoder_failed", 0),
+    # a right call repeated: a wrong count, one expected call matched
+    ("simple_python", "simple_python_0",
+     [call("calculate_triangle_area", base=10, height=5)] * 2, None, False,
+     "simple_function_checker:wrong_count", 1),
     # "." in a name became "_" in the tool (OpenAI forbids "."); the checker maps it back
-    ("simple_python", "simple_python_1", [call("math_factorial", number=5)], None, True, None),
+    ("simple_python", "simple_python_1", [call("math_factorial", number=5)], None, True, None, 1),
     # multiple_0: triangle_properties.get(side1=5, side2=4, side3=3) among other functions
     ("multiple", "multiple_0", [call("triangle_properties_get", side1=5, side2=4, side3=3)],
-     None, True, None),
+     None, True, None, 1),
     ("multiple", "multiple_0", [call("circle_properties_get", radius=5.0)], None, False,
-     "simple_function_checker:wrong_func_name"),
+     "simple_function_checker:wrong_func_name", 0),
     # parallel_0: spotify.play twice, in any order
     ("parallel", "parallel_0", [call("spotify_play", artist="Maroon 5", duration=15),
                                 call("spotify_play", artist="Taylor Swift", duration=20)],
-     None, True, None),
+     None, True, None, 2),
     ("parallel", "parallel_0", [call("spotify_play", artist="Taylor Swift", duration=20)],
-     None, False, "parallel_function_checker_no_order:wrong_count"),
+     None, False, "parallel_function_checker_no_order:wrong_count", 1),
+    # the count right, one call wrong or repeated: each expected call pairs with one call
+    ("parallel", "parallel_0", [call("spotify_play", artist="Maroon 5", duration=15),
+                                call("spotify_play", artist="Taylor Swift", duration=25)],
+     None, False, "parallel_function_checker_no_order:cannot_find_match", 1),
+    ("parallel", "parallel_0", [call("spotify_play", artist="Maroon 5", duration=15)] * 2,
+     None, False, "parallel_function_checker_no_order:cannot_find_match", 1),
     # irrelevance_0: a BMI function offered for a question it cannot answer; BFCL's relevance
     # rule passes any answer that makes no call, and fails any call, however well formed
-    ("irrelevance", "irrelevance_0", [], "I cannot do that with these tools.", True, None),
-    ("irrelevance", "irrelevance_0", [], None, True, None),
+    ("irrelevance", "irrelevance_0", [], "I cannot do that with these tools.", True, None, 0),
+    ("irrelevance", "irrelevance_0", [], None, True, None, 0),
     ("irrelevance", "irrelevance_0", [call("determine_body_mass_index", weight=70, height=1.75)],
-     None, False, "irrelevance_error:decoder_success"),
+     None, False, "irrelevance_error:decoder_success", 0),
 ])
-def test_checker_verdicts(worker, items, category, item_id, calls, content, valid, error_type):
-    verdict = worker.check(items[category][item_id], {"content": content, "tool_calls": calls})
+def test_checker_verdicts(worker, items, category, item_id, calls, content, valid, error_type,
+                          matched):
+    item = items[category][item_id]
+    verdict = worker.check(item, {"content": content, "tool_calls": calls})
     assert verdict.valid is valid
     assert verdict.error_type == error_type
     assert bool(verdict.error) is not valid
+    # per-call credit: the ground truth's calls a call of the answer passes, one to one
+    assert (verdict.matched, verdict.expected) == (matched, len(item.ground_truth))
 
 
 @needs_worker
