@@ -130,10 +130,11 @@ async def langgraph_rollout(model: TrainableModel) -> Trajectory:
 
 
 async def test_a_langgraph_tool_node_agent_is_one_sequence(smol, agents):
-    traj = agents["langgraph"][0]
-    n = check_against_ledger(traj, smol.base_url)
     # two forced calls and an answer, unless a call is cut at max_tokens (it then has no
-    # tool_calls and the graph ends): at least one tool result between two sampled turns
+    # tool_calls and the graph ends; at temperature 1 the first call of one rollout was, in a
+    # fresh-clone CI): the longer of the two rollouts has a tool result between sampled turns
+    traj = max(agents["langgraph"], key=lambda t: len(t.turns))
+    n = check_against_ledger(traj, smol.base_url)
     assert n >= 2 and all(t.spliced for t in traj.turns[1:])
     metrics = one_history(traj)
     assert metrics["sequences_per_history"] == 1.0 and metrics["redundant_token_ratio"] == 1.0
