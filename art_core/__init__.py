@@ -17,7 +17,7 @@ from art_core.gather import GatherError, gather_trajectories, gather_trajectory_
 from art_core.model import DEFAULT_BASE_MODEL, Backend, Endpoint, Model, TrainableModel, TrainResult
 from art_core.pipeline import PipelineResult, PipelineTrainer
 from art_core.recording import MessageRecorder, Recorder, ToolEvent, current_recorder, recording
-from art_core.sampling import SignalGroups, gather_signal_groups, shuffled_passes
+from art_core.sampling import SignalGroups, gather_signal_groups, shuffled_passes, signal_rule
 from art_core.trajectory import (
     History,
     RolloutError,
@@ -81,5 +81,6 @@ __all__ = [
     "read_groups_jsonl",
     "recording",
     "shuffled_passes",
+    "signal_rule",
     "write_groups_jsonl",
 ]

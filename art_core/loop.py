@@ -36,6 +36,7 @@ from art_core.sampling import (
     gather_signal_groups,
     interleave,
     shuffled_passes,
+    signal_rule,
 )
 from art_core.storage import append_jsonl, read_jsonl
 from art_core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
@@ -217,7 +218,8 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                 groups_per_step, max_groups=max(groups_per_step,
                                                 round(oversample * groups_per_step)),
                 max_exceptions=max_exceptions, after_each=after_each,
-                max_concurrency=max_concurrency, description=description)
+                max_concurrency=max_concurrency, description=description,
+                signal=signal_rule(train_config))
             # nothing with signal even within the budget: the step still advances (invariant 7)
             groups = found.groups or found.skipped[:groups_per_step]
             sampling = found.metrics()

@@ -207,6 +207,17 @@ def _next_round(strata: list[_Stratum]) -> list[tuple[_Stratum, Any]]:
     return picked
 
 
+def signal_rule(train_config: Any = None) -> Callable[[TrajectoryGroup], bool]:
+    """The trainer's own rule for whether a group trains under `train_config`: rewards not
+    all equal (`TrajectoryGroup.has_signal`), or under per-turn credit
+    (`advantage="turn"`) a turn advantage that is not 0 (`credit.has_turn_signal`)."""
+    if getattr(train_config, "advantage", "group") == "turn":
+        from art_core.train.credit import has_turn_signal  # pure Python, no torch
+
+        return lambda group: has_turn_signal(group.trajectories)
+    return lambda group: group.has_signal
+
+
 async def gather_signal_groups(
     make_group: Callable[[Any], Iterable[Awaitable[Trajectory]]],
     scenarios: Iterable[Any] | Mapping[Hashable, Iterable[Any]],
@@ -218,12 +229,15 @@ async def gather_signal_groups(
     max_concurrency: int | None = None,
     show_progress: bool = True,
     description: str = "gather",
+    signal: Callable[[TrajectoryGroup], bool] | None = None,
 ) -> SignalGroups:
     """Draw groups (`make_group(scenario)`: the rollouts of one scenario) from `scenarios` until
     `n_groups` of them have signal or `max_groups` (default `DEFAULT_BUDGET` x n_groups) have
     been drawn. `scenarios` may map strata to streams: the groups and the budget are then
     shared out over them (step 5 of the module docstring). `max_exceptions` applies per round,
-    as in `gather_trajectory_groups`, which raises `GatherError` beyond it."""
+    as in `gather_trajectory_groups`, which raises `GatherError` beyond it. `signal`: whether
+    a group has signal (default `TrajectoryGroup.has_signal`; `signal_rule(train_config)`
+    gives the trainer's rule for a config)."""
     if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
         raise ValueError(f"n_groups must be an integer >= 1, got {n_groups!r}")
     if max_groups is None:
@@ -256,7 +270,7 @@ async def gather_signal_groups(
             out.sampled_rewards.extend(group.rewards)
             if not group.trajectories:
                 continue
-            if group.has_signal:
+            if (signal or signal_rule())(group):
                 st.keep(group)
             else:
                 out.skipped.append(group)

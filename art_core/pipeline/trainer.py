@@ -50,7 +50,7 @@ from typing import Any, Literal
 from art_core.gather import AfterEach, GatherError, gather_trajectory_groups
 from art_core.model import TrainableModel
 from art_core.pipeline.store import Buffered, PipelineStore
-from art_core.sampling import DEFAULT_BUDGET, shuffled_passes
+from art_core.sampling import DEFAULT_BUDGET, shuffled_passes, signal_rule
 from art_core.trajectory import steps_off_policy
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class PipelineTrainer:
             item = Buffered(self.store.new_group_id(), started, groups[0])
             item.group.metadata["pipeline_group"] = item.id
             await asyncio.to_thread(self.store.add, item)  # on disk before it can be trained
-            if not item.group.has_signal and self._skip_no_signal():
+            if not signal_rule(self.train_config)(item.group) and self._skip_no_signal():
                 await asyncio.to_thread(self.store.dropped, [item], "no_signal", self._policy)
                 self.skipped_no_signal += 1
                 self._skipped_since_step += 1

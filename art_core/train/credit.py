@@ -36,7 +36,7 @@ counted as `compute_advantages` counts them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from art_core.train.advantages import TokenAdvantages, mean_std
 from art_core.trajectory import ZERO_VARIANCE_TOL, SampledTurn, Trajectory
@@ -69,6 +69,16 @@ def group_turn_advantages(rewards: list[list[float]]) -> list[list[float]]:
 
     return [[returns[i][k] - math.fsum(g(j, k) for j in range(n) if j != i) / (n - 1)
              for k in range(len(returns[i]))] for i in range(n)]
+
+
+def has_turn_signal(trajectories: Sequence[Trajectory]) -> bool:
+    """Whether per-turn credit trains on this group: two or more trajectories and a turn
+    advantage that is not 0. Equal episode rewards can still differ turn by turn, so this is
+    the rule dynamic sampling keeps groups by under `advantage="turn"`."""
+    if len(trajectories) < 2:
+        return False
+    rows = group_turn_advantages([turn_rewards(t) for t in trajectories])
+    return any(abs(a) > ZERO_VARIANCE_TOL for row in rows for a in row)
 
 
 def turn_advantages(groups: Iterable[Iterable[Trajectory]]

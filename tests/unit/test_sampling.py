@@ -251,3 +251,60 @@ async def test_no_budget_means_no_warning(caplog):
                                          show_progress=False)
     assert (len(out.groups), len(out.skipped), out.rounds) == (0, 3, 1)
     assert not caplog.records  # oversample 1 asked for no replacement: nothing to warn about
+
+
+def turned(turn_rewards: list[float | None], reward: float) -> Trajectory:
+    """A trajectory of len(turn_rewards) sampled turns, each with its own reward (None: none)."""
+    n = len(turn_rewards)
+    messages = [{"role": "user", "content": "go"}]
+    for k in range(n):
+        messages += [{"role": "assistant", "content": str(k)}, {"role": "user", "content": "more"}]
+    t = Trajectory(messages=messages[:-1], reward=reward, turns=[
+        {"message_index": 2 * k + 1, "prompt_token_ids": [1] * (2 * k + 1),
+         "completion_token_ids": [5], "logprobs": [-1.0]} for k in range(n)])
+    for k, r in enumerate(turn_rewards):
+        if r is not None:
+            t.set_turn_reward(k, r)
+    return t
+
+
+@pytest.mark.parametrize(("group", "by_reward", "by_turn"), [
+    # equal episode rewards, earned at different turns: signal only for per-turn credit
+    ([([0.3, 0.0], 0.3), ([0.0, 0.3], 0.3)], False, True),
+    # rewards that differ: signal for both
+    ([([0.3, 0.0], 0.3), ([0.0, 0.0], 0.0)], True, True),
+    # the same turns and rewards: signal for neither
+    ([([0.0, 0.3], 0.3), ([0.0, 0.3], 0.3)], False, False),
+    # one trajectory: no baseline, no signal
+    ([([0.3], 0.3)], False, False),
+])
+def test_the_signal_rule_follows_the_trainers_advantage(group, by_reward, by_turn):
+    """Dynamic sampling keeps the groups the trainer trains: under `advantage="turn"` a group
+    whose episode rewards are equal but whose turns earned them differently has signal."""
+    from art_core import TrainConfig
+    from art_core.sampling import signal_rule
+
+    g = TrajectoryGroup(trajectories=[turned(r, reward) for r, reward in group])
+    assert signal_rule()(g) is by_reward
+    assert signal_rule(TrainConfig(advantage="group"))(g) is by_reward
+    assert signal_rule(TrainConfig(advantage="turn"))(g) is by_turn
+
+
+async def test_gather_keeps_groups_by_the_rule_it_is_given():
+    async def one(scenario: int, i: int) -> Trajectory:
+        # scenario 0: equal rewards earned at different turns; scenario 1: all the same
+        if scenario == 0:
+            return turned([0.3, 0.0] if i % 2 else [0.0, 0.3], 0.3)
+        return turned([0.0, 0.3], 0.3)
+
+    def make(scenario: int) -> list[Any]:
+        return [one(scenario, i) for i in range(4)]
+
+    from art_core import TrainConfig
+    from art_core.sampling import signal_rule
+
+    by_reward = await gather_signal_groups(make, [0, 1], 1, max_groups=2, show_progress=False)
+    by_turn = await gather_signal_groups(make, [0, 1], 1, max_groups=2, show_progress=False,
+                                         signal=signal_rule(TrainConfig(advantage="turn")))
+    assert (len(by_reward.groups), len(by_reward.skipped)) == (0, 2)
+    assert (len(by_turn.groups), by_turn.drawn) == (1, 1)
