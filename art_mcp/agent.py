@@ -37,6 +37,7 @@ import asyncio
 import copy
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -241,13 +242,18 @@ class _Collect:
 
 async def run_agent(model: Any, session: RecordingSession | FunctionSession, task: str, *,
                     config: AgentConfig | None = None, trajectory: Trajectory | None = None,
-                    model_name: str | None = None) -> Trajectory:
+                    model_name: str | None = None,
+                    after_turn: Callable[[Trajectory, int], Awaitable[None]] | None = None,
+                    ) -> Trajectory:
     """Run one rollout of `task` with the tools of `session` (an MCP server's, or Python
     functions' through `art_mcp.functions.FunctionSession`); returns the trajectory.
 
     `model` is an `art_core.Model` (a `TrainableModel` records exact tokens; another endpoint
     gives context-only turns, counted in `metrics["untrainable_turns"]`). `model_name` overrides
-    the name sent (e.g. "agent@0" to evaluate a fixed step)."""
+    the name sent (e.g. "agent@0" to evaluate a fixed step). `after_turn(trajectory, k)` is
+    awaited after each sampled turn k (its index in `trajectory.turns`) once that turn's tool
+    calls have run, while the server still holds the state they left: where a per-turn reward
+    is read (`art_mcp.train.rollout`'s `turn_reward`)."""
     cfg = config or AgentConfig()
     traj = trajectory or Trajectory()
     with recording(traj):
@@ -277,9 +283,11 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
         traj.tools = [{**t, "function": {**t["function"], "strict": True}} for t in traj.tools]
         request.update(tools=traj.tools, tool_choice="required")
     done = False
-    while not done and m["turns"] < cfg.max_turns:  # the client is shared: not closed here
+    stop = False
+    while not (done or stop) and m["turns"] < cfg.max_turns:  # the client is shared
         response = await client.chat.completions.create(messages=traj.messages, **request)
         m["turns"] += 1
+        sampled = len(traj.turns)
         message = _append(traj, response)
         if cfg.action_format == "json":
             calls = _json_action(traj, message)
@@ -290,11 +298,14 @@ async def run_agent(model: Any, session: RecordingSession | FunctionSession, tas
             m["invalid_actions"] = int(m.get("invalid_actions", 0)) + 1
             traj.log(f"invalid action: the tool call did not finish within max_tokens="
                      f"{cfg.max_tokens}")
-            break
-        if not calls:  # a text reply: the final answer (in "json", an unfinished action)
+            stop = True
+        elif not calls:  # a text reply: the final answer (in "json", an unfinished action)
             m["final_answer"] = cfg.action_format != "json"
-            break
-        done = await _run_calls(traj, session, calls)
+            stop = True
+        else:
+            done = await _run_calls(traj, session, calls)
+        if after_turn is not None and len(traj.turns) > sampled:
+            await after_turn(traj, len(traj.turns) - 1)
     m["ran_out_of_turns"] = (not done and not m.get("final_answer")
                              and not m.get("invalid_actions") and m["turns"] >= cfg.max_turns)
     return traj

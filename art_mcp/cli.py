@@ -176,6 +176,9 @@ def parser() -> argparse.ArgumentParser:
                    help="held-out share (<1) or count (>=1) (default: %(default)s)")
     p.add_argument("--reward", help="FILE.py:FUNCTION or MODULE:FUNCTION, "
                    "reward(trajectory, context) -> float; default: RULER")
+    p.add_argument("--turn-reward", help="FILE.py:FUNCTION or MODULE:FUNCTION, "
+                   "turn_reward(trajectory, context, turn) -> float, read after each turn's "
+                   "calls; trains with per-turn credit (TrainConfig advantage='turn')")
     p.add_argument("--judge", help="RULER judge: a litellm model, or 'embedded'")
     p.add_argument("--judge-api-base", help="OpenAI-compatible endpoint for --judge")
     p.add_argument("--steps", type=int, default=4, help="training steps to add (default: %(default)s)")
@@ -281,6 +284,12 @@ def _checked_run(args: argparse.Namespace) -> int:
             raise CommandError(f"--reward {args.reward}: {e}") from None
     else:
         check_model("--judge", args.judge, args.judge_api_base)
+    args.turn_reward_fn = None
+    if args.turn_reward:
+        try:
+            args.turn_reward_fn = load_function(args.turn_reward)
+        except (ValueError, OSError, ImportError, AttributeError) as e:
+            raise CommandError(f"--turn-reward {args.turn_reward}: {e}") from None
     return asyncio.run(_run(args))
 
 
@@ -306,8 +315,10 @@ async def _run(args: argparse.Namespace) -> int:
         rollouts_per_group=args.rollouts_per_group, eval_rollouts=args.eval_rollouts,
         agent=AgentConfig(max_turns=args.max_turns, action_format=args.action_format,
                           examples=args.worked_examples),
-        train_config=TrainConfig(learning_rate=args.learning_rate), seed=args.seed,
-        max_concurrency=args.max_concurrency, oversample=args.oversample)
+        train_config=TrainConfig(learning_rate=args.learning_rate,
+                                 advantage="turn" if args.turn_reward_fn else "group"),
+        seed=args.seed, max_concurrency=args.max_concurrency, oversample=args.oversample,
+        turn_reward=args.turn_reward_fn)
     return 0
 
 

@@ -41,8 +41,8 @@ from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split, unt
 from art_mcp.scenarios import Scenario, generate_scenarios, load_scenarios
 from art_mcp.session import RecordingSession, ServerSpec, connect
 
-__all__ = ["EvalStats", "McpTrainResult", "RolloutContext", "as_server", "evaluate",
-           "format_table", "rollout", "train_mcp"]
+__all__ = ["EvalStats", "McpTrainResult", "RolloutContext", "TurnReward", "as_server",
+           "evaluate", "format_table", "rollout", "train_mcp"]
 
 
 @dataclass
@@ -58,6 +58,18 @@ class RolloutContext:
 
 Reward = Callable[[Trajectory, RolloutContext], float | Awaitable[float]]
 
+TurnReward = Callable[[Trajectory, RolloutContext, int], float | Awaitable[float]]
+"""`turn_reward(trajectory, context, k)`: sampled turn k's own reward, read after its tool
+calls ran (e.g. the progress the turn made on the server's state); with
+`TrainConfig(advantage="turn")` each turn is credited with what followed it
+(art_core/train/credit.py). The episode's `reward` stays the return: what the turns' rewards
+do not account for of it goes to the last turn."""
+
+
+async def _value(fn: Callable[..., Any], *args: Any) -> float:
+    value = fn(*args)
+    return float(await value if inspect.isawaitable(value) else value)
+
 
 def as_server(server: ServerSpec | str | Sequence[str]) -> ServerSpec:
     """A `ServerSpec` from a spec, a URL, a command line or a command list."""
@@ -72,21 +84,28 @@ def as_server(server: ServerSpec | str | Sequence[str]) -> ServerSpec:
 
 async def rollout(model: Model, server: ServerSpec, scenario: Scenario, *,
                   agent: AgentConfig | None = None, reward: Reward | None = None,
-                  model_name: str | None = None) -> Trajectory:
+                  model_name: str | None = None,
+                  turn_reward: TurnReward | None = None) -> Trajectory:
     """One rollout of `scenario` on its own connection (its own server process for a
-    command); the reward, if given, is computed before the server stops."""
+    command); the reward, if given, is computed before the server stops, and `turn_reward`
+    after each sampled turn's tool calls (`TurnReward`)."""
     agent = agent or AgentConfig()
     workdir = Path(tempfile.mkdtemp(prefix="art-mcp-"))
     try:
         async with connect(server, workdir=workdir, timeout_s=agent.tool_timeout_s,
                            max_result_chars=agent.max_result_chars) as session:
+            context = RolloutContext(scenario, session, workdir)
             traj = Trajectory(metadata={"scenario_id": scenario.id,
                                         "difficulty": scenario.difficulty})
+
+            async def after_turn(t: Trajectory, turn: int) -> None:
+                t.set_turn_reward(turn, await _value(turn_reward, t, context, turn))
+
             await run_agent(model, session, scenario.task, config=agent, trajectory=traj,
-                            model_name=model_name)
+                            model_name=model_name,
+                            after_turn=after_turn if turn_reward is not None else None)
             if reward is not None:
-                value = reward(traj, RolloutContext(scenario, session, workdir))
-                traj.reward = float(await value if inspect.isawaitable(value) else value)
+                traj.reward = await _value(reward, traj, context)
         return traj
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -150,7 +169,7 @@ async def train_mcp(
     groups_per_step: int = 4, rollouts_per_group: int = 4, eval_rollouts: int = 2,
     agent: AgentConfig | None = None, train_config: TrainConfig | None = None, seed: int = 0,
     max_concurrency: int | None = 8, oversample: float | None = DEFAULT_BUDGET,
-    print_fn: Callable[[str], None] = print,
+    turn_reward: TurnReward | None = None, print_fn: Callable[[str], None] = print,
 ) -> McpTrainResult:
     """Train `model` (default: the embedded model as "mcp-agent") on `server`'s tools for
     `steps` GRPO steps and compare held-out results before and after (see module docstring).
@@ -162,7 +181,8 @@ async def train_mcp(
     backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...).
     `max_concurrency` caps rollouts (and so server processes) running at once. `oversample`:
     dynamic sampling's budget, groups drawn per group trained at most (None: off;
-    art_core/sampling.py)."""
+    art_core/sampling.py). `turn_reward`: a reward per turn (`TurnReward`), for
+    `TrainConfig(advantage="turn")`."""
     spec = as_server(server)
     model = model or TrainableModel(name="mcp-agent", project="mcp")
     async with open_run(model, backend, path, "mcp") as (backend, run_dir):
@@ -178,7 +198,8 @@ async def train_mcp(
         print_fn(f"server {spec.describe()}: tools {', '.join(tools)}")
         print_fn(f"scenarios: {len(train)} train, {len(held)} held-out (saved in {run_dir})")
         loop = await train_loop(
-            model, lambda s: rollout(model, spec, s, agent=agent, reward=reward), train, held,
+            model, lambda s: rollout(model, spec, s, agent=agent, reward=reward,
+                                     turn_reward=turn_reward), train, held,
             run_dir, steps=steps, groups_per_step=groups_per_step,
             rollouts_per_group=rollouts_per_group, eval_rollouts=eval_rollouts,
             after_each=after_each, train_config=train_config, seed=seed,

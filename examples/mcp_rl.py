@@ -23,14 +23,15 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from art_core import TrainableModel, TrainConfig
+from art_core.sampling import DEFAULT_BUDGET
 from art_mcp import AgentConfig, McpTrainResult, ServerSpec, WorkedExample, train_mcp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from mcp_server_inventory import reward  # noqa: E402  (the verifiable reward, next to the server)
+from mcp_server_inventory import reward, turn_reward  # noqa: E402  (the verifiable reward, next to the server)
 
 SERVER = ServerSpec(command=[sys.executable, str(HERE / "mcp_server_inventory.py")])
 SCENARIOS = HERE / "data" / "inventory_scenarios.jsonl"
@@ -42,16 +43,26 @@ usual mistake is to copy an example (move the glue to E2, or complete at once), 
 
 async def run(path: str = ".art", steps: int = 4, groups_per_step: int = 6,
               rollouts_per_group: int = 4, eval_rollouts: int = 4, held_out: int | float = 12,
-              max_turns: int = 4, learning_rate: float = 1e-3,
+              max_turns: int = 4, learning_rate: float = 1e-3, seed: int = 0,
+              train_config: TrainConfig | None = None, oversample: float | None = DEFAULT_BUDGET,
+              credit: Literal["episode", "turn"] = "episode",
               backend: Any = None) -> McpTrainResult:
-    """Train for `steps` steps; `backend` defaults to a LocalBackend on `path`."""
+    """Train for `steps` steps; `backend` defaults to a LocalBackend on `path`. `seed` picks
+    the held-out split and the draw; `train_config` replaces the one made from
+    `learning_rate` (benchmarks/demo_variants.py --task mcp runs the losses through it).
+    `credit="turn"`: each turn is rewarded with the progress it made on the stock
+    (`turn_reward`) and credited with what followed it (`TrainConfig(advantage="turn")`)."""
+    train_config = train_config or TrainConfig(learning_rate=learning_rate)
+    if credit == "turn":
+        train_config = train_config.model_copy(update={"advantage": "turn"})
     return await train_mcp(
         SERVER, model=TrainableModel(name="inventory-agent", project="mcp"), backend=backend,
         path=path, scenarios=SCENARIOS, held_out=held_out, reward=reward, steps=steps,
         groups_per_step=groups_per_step, rollouts_per_group=rollouts_per_group,
         eval_rollouts=eval_rollouts,
         agent=AgentConfig(max_turns=max_turns, examples=WorkedExample.load(EXAMPLES)),
-        train_config=TrainConfig(learning_rate=learning_rate))
+        train_config=train_config, seed=seed, oversample=oversample,
+        turn_reward=turn_reward if credit == "turn" else None)
 
 
 def main() -> None:
@@ -63,9 +74,12 @@ def main() -> None:
     p.add_argument("--rollouts-per-group", type=int, default=4)
     p.add_argument("--eval-rollouts", type=int, default=4)
     p.add_argument("--held-out", type=int, default=12, help="held-out scenarios")
+    p.add_argument("--seed", type=int, default=0, help="the held-out split and the draw")
+    p.add_argument("--credit", choices=["episode", "turn"], default="episode",
+                   help="turn: a reward per turn (its progress on the stock), per-turn credit")
     a = p.parse_args()
     asyncio.run(run(a.path, a.steps, a.groups_per_step, a.rollouts_per_group, a.eval_rollouts,
-                    a.held_out))
+                    a.held_out, seed=a.seed, credit=a.credit))
 
 
 if __name__ == "__main__":

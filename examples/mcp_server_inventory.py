@@ -172,6 +172,18 @@ def reward(trajectory: Any, context: Any) -> float:
     return 0.3 * score
 
 
+def turn_reward(trajectory: Any, context: Any, turn: int) -> float:
+    """`art_mcp` reward per turn (`train_mcp(turn_reward=...)`): the progress turn `turn` made,
+    0.3 x (`verify` of the stock after its calls - before them), read from the rollout's own
+    database. The turns' rewards add up to 0.3 x the final partial credit, so `reward`'s
+    completion bonus (the rest of a solved episode's 1.0) goes to the last turn; a turn that
+    breaks what an earlier one got right is paid negative (shaping by a potential, so the
+    episode's return is unchanged)."""
+    score = verify(context.scenario.model_dump(), Path(context.workdir) / "inventory.db")
+    earlier = sum(r or 0.0 for r in trajectory.turn_rewards[:turn])
+    return 0.3 * score - earlier
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--db", help="database file (default: see the module docstring)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -160,3 +161,27 @@ async def test_an_mcp_tool_called_from_a_langgraph_agent_lands_in_its_trajectory
     assert traj.metrics["tool_calls"] == 1 and traj.metrics["tool_errors"] == 0  # MCP side
     assert traj.metrics["tool_seconds"] > 0
     assert check_against_ledger(traj, agent_model.base_url) == 2  # both turns' sampled tokens
+
+
+async def test_a_turn_reward_is_read_after_each_turn_from_the_servers_state(agent_model):
+    """`rollout(turn_reward=...)`: every sampled turn gets the progress it made on the stock
+    (the inventory example's `turn_reward`, read from the rollout's database after the turn's
+    calls), and the turns add up to the partial credit the episode's reward pays; a solved
+    episode's completion bonus is what `advantage="turn"` puts on the last turn."""
+    from art_core.train.credit import turn_rewards
+    from art_mcp import Scenario, WorkedExample, rollout
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mcp_server_inventory import reward, turn_reward
+
+    examples = WorkedExample.load(ROOT / "examples/data/inventory_examples.json")
+    scenario = Scenario(id="pens", task="Add 12 pens to the stock.",
+                        expected={"pen": {"quantity": 52}})
+    traj = await rollout(agent_model, INVENTORY, scenario, reward=reward, turn_reward=turn_reward,
+                         agent=AgentConfig(max_turns=3, examples=examples, temperature=0.0))
+    own = traj.turn_rewards
+    assert len(own) == traj.metrics["turns"] >= 1
+    assert all(r is not None for r in own), own
+    paid = 0.3 if traj.reward == 1.0 else traj.reward  # reward: 1.0 solved, else 0.3 x credit
+    assert math.isclose(sum(own), paid, abs_tol=1e-9), (own, traj.reward)
+    assert math.isclose(turn_rewards(traj)[-1], own[-1] + traj.reward - paid, abs_tol=1e-9)

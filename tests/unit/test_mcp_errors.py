@@ -207,6 +207,8 @@ def scenario_files(tmp_path: Path) -> dict[str, str]:
      "--env ART_TEST_UNSET_VARIABLE: not set in this environment"),
     (["--generator", "embedded", "--reward", "no_such_module:reward", *SERVER],
      "--reward no_such_module:reward: No module named 'no_such_module'"),
+    ([*JUDGED, "--turn-reward", f"{ROOT}/examples/mcp_server_inventory.py:no_such", *SERVER],
+     f"--turn-reward {ROOT}/examples/mcp_server_inventory.py:no_such: "),
     ([*JUDGED, "--", "/nonexistent/server"],
      "cannot start or connect to the MCP server '/nonexistent/server': /nonexistent/server: "
      "command not found"),
