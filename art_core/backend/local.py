@@ -43,7 +43,6 @@ from art_core.config import SFTConfig, TrainConfig
 from art_core.inference.engine import VLLMEngine
 from art_core.inference.gateway import Gateway
 from art_core.inference.gateway_server import GatewayServer
-from art_core.inference.policy_check import tolerance_for
 from art_core.model import Endpoint, TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, Logger, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
@@ -226,9 +225,7 @@ class LocalBackend:
             checkpoints = {s: md.checkpoint(s) for s in md.steps()}
             await self._on_gateway(lambda: self.gateway.publish(
                 model.name, engine, step, md.checkpoint(step), project=model.project,
-                checkpoints=checkpoints,
-                tolerance=tolerance_for(model.config.engine.policy_check_tolerance,
-                                            engine.dtype)))
+                checkpoints=checkpoints, tolerance=model.config.engine.policy_check_tolerance))
         except BaseException:
             if (model.project, model.name) not in self._registered:
                 await self._on_gateway(lambda: self.gateway.forget_model(model.name))

@@ -28,7 +28,7 @@ from art_core.config import SFTConfig, TrainConfig
 from art_core.failpoints import failpoint
 from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.gateway import Gateway
-from art_core.inference.policy_check import PolicyMismatch, replayed_mismatch, tolerance_for
+from art_core.inference.policy_check import PolicyMismatch, replayed_mismatch
 from art_core.model import TrainableModel, TrainResult
 from art_core.observe.base import SPLIT_TRAIN, StepRecord, group_metrics
 from art_core.observe.loggers import Loggers
@@ -171,8 +171,7 @@ async def train_and_publish(backend: StepBackend, model: TrainableModel,
             metrics.update(await backend._on_gateway(
                 lambda: backend.gateway.publish(
                     model.name, engine, step, md.checkpoint(step), project=model.project,
-                    tolerance=tolerance_for(model.config.engine.policy_check_tolerance,
-                                            engine.dtype))) or {})
+                    tolerance=model.config.engine.policy_check_tolerance)) or {})
         except PolicyMismatch as e:
             metrics.update(e.metrics, policy_mismatch=1.0)
             mismatch = e

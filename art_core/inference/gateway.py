@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI, Request
@@ -47,7 +47,7 @@ from art_core.inference.engine import EngineError, VLLMEngine
 from art_core.inference.harness import ROLLOUTS_PATH, HarnessRollouts, record_call
 from art_core.inference.ledger import Ledger
 from art_core.inference.lora_turns import LoraTurns
-from art_core.inference.policy_check import PolicyMismatch, check_served
+from art_core.inference.policy_check import PolicyMismatch, check_served, tolerance_for
 from art_core.inference.splice import Splicer
 from art_core.inference.upstream import RETRY_AFTER_S
 from art_core.protocol import LEDGER_PATH
@@ -128,14 +128,17 @@ class Gateway:
     async def publish(self, name: str, engine: VLLMEngine, step: int, path: Path,
                       project: str | None = None,
                       checkpoints: dict[int, Path] | None = None,
-                      tolerance: float | None = 0.1) -> dict[str, float]:
+                      tolerance: float | Literal["auto"] | None = 0.1) -> dict[str, float]:
         """Make checkpoint `step` of model `name` what "<name>" serves, and load it; the
         served-policy check's metrics. For a model served before, a load that fails (the engine
         restarting) is logged and left to the next request, which loads it on demand; for a new
         model it raises. What vLLM serves once loaded is checked against the trainer's probe
         before the name is published (art_core/inference/policy_check.py), within `tolerance`
-        (the model's EngineConfig.policy_check_tolerance; None: unchecked): on a mismatch the
-        previous step keeps serving and `PolicyMismatch` is raised."""
+        (the model's EngineConfig.policy_check_tolerance; "auto": by the dtype `engine`
+        serves, `tolerance_for`; None: unchecked): on a mismatch the previous step keeps
+        serving and `PolicyMismatch` is raised."""
+        if tolerance == "auto":
+            tolerance = tolerance_for(tolerance, engine.dtype)
         new = name not in self.models
         served = self.models.setdefault(name, ServedModel(name, engine, project or "default"))
         served.policy_tolerance = tolerance

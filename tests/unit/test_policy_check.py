@@ -26,8 +26,9 @@ LONG, NEXT = IDS * 3, [(7, -0.25), (3, -2.0)]
 class ProbeEngine:
     """Answers each adapter name's prompt logprobs from `answers` (TRAINED + a shift)."""
 
-    def __init__(self, serve_merged: bool = False) -> None:
+    def __init__(self, serve_merged: bool = False, dtype: str = "float32") -> None:
         self.served_name, self.config, self.state = "base", EngineConfig(), "ready"
+        self.dtype = dtype
         self.adapters: dict[str, str] = {}
         self.serve_merged, self.merged = serve_merged, None
         self.shift: dict[str, float] = {}
@@ -145,6 +146,26 @@ def test_the_tolerance_follows_the_served_dtype(setting, served, tolerance):
 def test_a_tolerance_that_is_not_positive_or_auto_is_refused(bad):
     with pytest.raises(ValueError, match="policy_check_tolerance"):
         EngineConfig(policy_check_tolerance=bad)
+
+
+@pytest.mark.parametrize(("dtype", "shift", "published"), [
+    ("float32", 0.15, False),  # beyond float32's 0.1
+    ("bfloat16", 0.15, True),  # within bf16's 0.2
+    ("bfloat16", 0.25, False),
+])
+async def test_publish_resolves_auto_by_the_dtype_the_engine_serves(tmp_path, dtype, shift,
+                                                                    published):
+    gw, engine = Gateway(), ProbeEngine(dtype=dtype)
+    gw.add_engine(engine)  # type: ignore[arg-type]
+    engine.shift["m@0"] = shift
+    publish = gw.publish("m", engine, 0, checkpoint(tmp_path, 0),  # type: ignore[arg-type]
+                         tolerance="auto")
+    if published:
+        assert (await publish)["policy_checked"] == 1.0
+    else:
+        with pytest.raises(PolicyMismatch):
+            await publish
+    assert gw.models["m"].policy_tolerance == tolerance_for("auto", dtype)
 
 
 def test_no_manifest_or_no_scoring_is_not_checked(tmp_path):
