@@ -86,6 +86,9 @@ async def one(task: str, variant: str, run: int, steps: int, root: Path) -> dict
     return {"task": task, "variant": variant, "run": run, "steps": steps, "before": f"{k0}/{n0}",
             "before_ci": [round(lo0, 3), round(hi0, 3)], "after": f"{k1}/{n1}",
             "after_ci": [round(lo1, 3), round(hi1, 3)], "beyond_noise": lo1 > hi0,
+            "reward": [round(before.reward, 3), round(after.reward, 3)],
+            **({"completed": [round(before.rate("completed").value, 3),
+                              round(after.rate("completed").value, 3)]} if task == "mcp" else {}),
             "wall_s": round(wall)}
 
 
