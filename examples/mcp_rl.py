@@ -15,6 +15,8 @@ The same run from the command line, for any server and scenario file:
         -- python examples/mcp_server_inventory.py
 
 Run it again with the same --path to continue from the last step on the same scenarios.
+`--credit turn` rewards each turn with the progress it made on the stock and trains with
+per-turn credit (docs/mcp.md, "A reward per turn"); `--seed` picks the held-out split.
 """
 
 from __future__ import annotations
