@@ -222,7 +222,10 @@ class TrainConfig(_Strict):
     seed: int = Field(0, description="Seed for the step's shuffling; results are reproducible.")
     advantage: Literal["group", "teacher", "turn"] = Field("group", description=(
         "'group': GRPO's group-relative reward advantage (zero-variance groups dropped); the "
-        "default, because the demo's learning runs measured it. "
+        "default, because the demo's learning runs measured it, and per-turn credit did not "
+        "beat it on the MCP inventory example (a reward per turn, its progress on the stock; "
+        "held-out solved of 48 after 4 steps, seeds 0-2: episode 19, 35, 22, per turn 39, 10, "
+        "24; benchmarks/README.md). "
         "'turn': per-turn credit (art_core/train/credit.py): each sampled turn's return-to-go "
         "(its own and later turns' rewards, `SampledTurn.reward`) against the other "
         "trajectories of its group at the same turn, an unbiased leave-one-out baseline; with "
