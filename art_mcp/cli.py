@@ -276,21 +276,22 @@ def _checked_run(args: argparse.Namespace) -> int:
                                "least 2 are needed (some to train on, some held out)")
     else:
         check_model("--generator", args.generator, args.generator_api_base)
-    args.reward_fn = None
-    if args.reward:
-        try:
-            args.reward_fn = load_function(args.reward)
-        except (ValueError, OSError, ImportError, AttributeError) as e:
-            raise CommandError(f"--reward {args.reward}: {e}") from None
-    else:
+    args.reward_fn = user_function("--reward", args.reward)
+    if not args.reward:
         check_model("--judge", args.judge, args.judge_api_base)
-    args.turn_reward_fn = None
-    if args.turn_reward:
-        try:
-            args.turn_reward_fn = load_function(args.turn_reward)
-        except (ValueError, OSError, ImportError, AttributeError) as e:
-            raise CommandError(f"--turn-reward {args.turn_reward}: {e}") from None
+    args.turn_reward_fn = user_function("--turn-reward", args.turn_reward)
     return asyncio.run(_run(args))
+
+
+def user_function(option: str, ref: str | None) -> Any:
+    """The function `ref` names (None when not given); one that cannot be loaded is a
+    `CommandError` naming the option."""
+    if not ref:
+        return None
+    try:
+        return load_function(ref)
+    except (ValueError, OSError, ImportError, AttributeError) as e:
+        raise CommandError(f"{option} {ref}: {e}") from None
 
 
 async def _run(args: argparse.Namespace) -> int:
