@@ -242,6 +242,7 @@ async def gather_signal_groups(
         raise ValueError(f"n_groups must be an integer >= 1, got {n_groups!r}")
     if max_groups is None:
         max_groups = math.ceil(DEFAULT_BUDGET * n_groups)
+    signal = signal or signal_rule()
     if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < n_groups:
         raise ValueError(f"max_groups must be an integer >= n_groups ({n_groups}), "
                          f"got {max_groups!r}")
@@ -270,7 +271,7 @@ async def gather_signal_groups(
             out.sampled_rewards.extend(group.rewards)
             if not group.trajectories:
                 continue
-            if (signal or signal_rule())(group):
+            if signal(group):
                 st.keep(group)
             else:
                 out.skipped.append(group)

@@ -122,6 +122,7 @@ class PipelineTrainer:
         self.max_steps_off_policy = max_steps_off_policy
         self.max_groups_in_flight = max_groups_in_flight
         self.after_each, self.train_config, self.mode = after_each, train_config, mode
+        self._has_signal = signal_rule(train_config)  # the trainer's rule for this config
         self.seed, self.max_exceptions = seed, max_exceptions
         self.max_failed_in_a_row = max_failed_groups_in_a_row
         self.oversample = oversample
@@ -201,7 +202,7 @@ class PipelineTrainer:
             item = Buffered(self.store.new_group_id(), started, groups[0])
             item.group.metadata["pipeline_group"] = item.id
             await asyncio.to_thread(self.store.add, item)  # on disk before it can be trained
-            if not signal_rule(self.train_config)(item.group) and self._skip_no_signal():
+            if not self._has_signal(item.group) and self._skip_no_signal():
                 await asyncio.to_thread(self.store.dropped, [item], "no_signal", self._policy)
                 self.skipped_no_signal += 1
                 self._skipped_since_step += 1
