@@ -97,9 +97,11 @@ def langgraph_agent(model: TrainableModel) -> Any:
         """Look up the capital city of a country."""
         return CAPITALS.get(country.strip(), f"unknown country: {country}")
 
-    llm = init_chat_model(model, max_tokens=48, temperature=1.0)
-    forced, free = llm.bind_tools([lookup_capital], tool_choice="required"), \
-        llm.bind_tools([lookup_capital])
+    # a forced call at temperature 1 may ramble in its argument string: at 48 tokens both
+    # rollouts' first calls were cut once in a fresh-clone CI (no tool_calls, the graph ended)
+    forced = init_chat_model(model, max_tokens=160, temperature=1.0).bind_tools(
+        [lookup_capital], tool_choice="required")
+    free = init_chat_model(model, max_tokens=48, temperature=1.0).bind_tools([lookup_capital])
 
     def agent(state: MessagesState) -> dict[str, Any]:
         n_tools = sum(isinstance(m, ToolMessage) for m in state["messages"])
@@ -131,8 +133,8 @@ async def langgraph_rollout(model: TrainableModel) -> Trajectory:
 
 async def test_a_langgraph_tool_node_agent_is_one_sequence(smol, agents):
     # two forced calls and an answer, unless a call is cut at max_tokens (it then has no
-    # tool_calls and the graph ends; at temperature 1 the first call of one rollout was, in a
-    # fresh-clone CI): the longer of the two rollouts has a tool result between sampled turns
+    # tool_calls and the graph ends): the longer of the two rollouts has a tool result
+    # between sampled turns
     traj = max(agents["langgraph"], key=lambda t: len(t.turns))
     n = check_against_ledger(traj, smol.base_url)
     assert n >= 2 and all(t.spliced for t in traj.turns[1:])
