@@ -23,7 +23,9 @@ Kept equal, as in vs_trl.py: base model, prompts and their order, group size 8, 
 (transformers' `get_json_schema` of the function, which TRL renders; bound to the LangGraph model
 as that dict), per-turn max tokens, temperature (the demo's 0.7) with top-p 1 and no top-k, the
 turn cap, LoRA shape (our `LoraConfig()` defaults), learning rate, CISPO capped at 5 and no KL,
-group-std scaling, grad clipping, micro-batch, gradient checkpointing (on), precision.
+group-std scaling, grad clipping, micro-batch, gradient checkpointing (`--checkpointing`, off
+by default: what our `TrainConfig.gradient_checkpointing="auto"` picks at this task's sizes,
+1 x 8 and 4 x 8, a packed row of ~1,700 tokens; TRL gets the same setting), precision.
 Differs: TRL has no `tool_choice`, so SmolLM2 calls the tool there only when it chooses to and
 TRL's episodes may be shorter (see `calls/ep`: the work per step differs with it). TRL's
 `max_completion_length` caps a whole episode: it is set to calls x max tokens + 64 per tool
@@ -236,7 +238,8 @@ def run_trl(args: argparse.Namespace) -> WorkerResult:
             generation_kwargs={"max_new_tokens": args.max_tokens},  # per turn
             max_tool_calling_iterations=lookups, temperature=args.temperature, top_p=1.0, top_k=0,
             loss_type="cispo", epsilon_high=5.0, beta=0.0, scale_rewards="group",
-            num_iterations=1, shuffle_dataset=False, gradient_checkpointing=True,
+            num_iterations=1, shuffle_dataset=False,
+            gradient_checkpointing=args.checkpointing == "on",
             model_init_kwargs={"dtype": vs_trl.DTYPES[args.precision]}, dataloader_num_workers=0,
         )
         lora = LoraConfig(r=ours_lora.rank, lora_alpha=ours_lora.alpha,
@@ -310,7 +313,8 @@ async def run_ours(args: argparse.Namespace, system: str) -> WorkerResult:
         engine["dtype"] = vs_trl.DTYPES[args.precision]
     config = TrainConfig(learning_rate=args.learning_rate, loss="cispo", epsilon_high=4.0,
                          kl_coef=0.0, scale_rewards=True, max_grad_norm=1.0, weight_decay=0.0,
-                         micro_batch_size=args.micro_batch, gradient_checkpointing=True,
+                         micro_batch_size=args.micro_batch,
+                         gradient_checkpointing=args.checkpointing == "on",
                          bf16=args.precision == "bf16")
     lookups, path = LOOKUPS[args.task], vs_trl.model_path("smollm2")
     with tempfile.TemporaryDirectory() as root:
@@ -449,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="maximum tokens per model call (turn)")
     p.add_argument("--temperature", type=float, default=demo.TEMPERATURE)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
+    p.add_argument("--checkpointing", choices=["on", "off"], default="off",
+                   help="gradient checkpointing in both trainers (off: what ours' 'auto' "
+                        "picks at this task's sizes)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of both trainers (and TRL's generate)")
     p.add_argument("--cpu-threads", type=int, default=None,
@@ -484,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens, temperature {args.temperature}; {args.groups} x {GROUP_SIZE} episodes per "
           f"step, {args.warmup} warm-up + {args.steps} steps; threads {args.threads}, engine "
           f"threads {args.cpu_threads or 'default'}, lr {args.learning_rate}, micro-batch "
-          f"{args.micro_batch}, precision {args.precision}", flush=True)
+          f"{args.micro_batch}, checkpointing {args.checkpointing}, precision {args.precision}", flush=True)
     results = [run_worker(args, system) for system in args.systems]
     print()
     lines = format_report(results)

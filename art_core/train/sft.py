@@ -35,6 +35,7 @@ import torch
 from art_core.config import SFTConfig, TrainConfig
 from art_core.train import batch as B
 from art_core.train import packing as P
+from art_core.train.trainer import use_checkpointing
 from art_core.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -108,7 +109,11 @@ def sft_step(trainer: Trainer, examples: list[Trajectory], config: SFTConfig,
                          micro_batch_size=config.micro_batch_size)
     opt = trainer._ensure_optimizer(shared)
     use_bf16 = trainer.bf16_capable if config.bf16 is None else config.bf16
-    trainer._set_checkpointing(config.gradient_checkpointing)
+    # the largest micro-batch any update may hold: micro_batch_size x the longest example
+    padded = config.micro_batch_size * max(len(s) for s in sequences)
+    trainer._set_checkpointing(use_checkpointing(
+        config.gradient_checkpointing, trainer.model.get_base_model().config, padded, use_bf16,
+        trainer.device))
     trainer.model.train()
     rng = random.Random(config.seed)
     epoch_losses: list[float] = []

@@ -45,6 +45,37 @@ from art_core.trajectory import History, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_ABOVE_BYTES = 2 * 10**9
+"""'auto' gradient checkpointing recomputes on a CPU only when a micro-batch's activations
+would exceed this: the race's step (1,427 forwarded tokens, 1.3 GB) keeps them and runs 22%
+faster; 8k-token BFCL multi-turn rows (~7 GB) recompute, beside vLLM on a 24 GB machine."""
+
+
+def activation_bytes(model_config: Any, tokens: int, bf16: bool) -> int | None:
+    """Activations autograd keeps for `tokens` forwarded tokens without checkpointing, estimated
+    from the model's shape: per layer and token ~10 values of the hidden size (attention inputs,
+    norms, residuals, LoRA's) and ~6 of the MLP's. Calibrated on SmolLM2-135M in bf16: 1.31 GB
+    measured for 1,427 tokens, 1.28 estimated. None: a config without those sizes."""
+    layers = getattr(model_config, "num_hidden_layers", None)
+    hidden = getattr(model_config, "hidden_size", None)
+    if not layers or not hidden:
+        return None
+    inner = getattr(model_config, "intermediate_size", None) or 4 * hidden
+    return tokens * layers * (10 * hidden + 6 * inner) * (2 if bf16 else 4)
+
+
+def use_checkpointing(setting: bool | str, model_config: Any, padded_tokens: int, bf16: bool,
+                      device: torch.device) -> bool:
+    """Whether a step whose largest micro-batch is `padded_tokens` (rows x longest) recomputes
+    activations in backward: `setting` itself, or for 'auto' whether a CPU would hold more than
+    `CHECKPOINT_ABOVE_BYTES` of them (on a GPU, whose memory vLLM shares, always)."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type != "cpu":
+        return True
+    estimate = activation_bytes(model_config, padded_tokens, bf16)
+    return estimate is None or estimate > CHECKPOINT_ABOVE_BYTES
+
 
 class Trainer:
     """A base model with one LoRA adapter and its optimizer, kept in memory across steps."""
@@ -200,15 +231,20 @@ class Trainer:
         sequences = self._local_share(sequences)  # all of them, unless one rank of several
         low, high = config.clip_bounds()
         use_bf16 = self.bf16_capable if config.bf16 is None else config.bf16
-        self._set_checkpointing(config.gradient_checkpointing)
-        self.model.train()
-
         rows, budget = self._rows(sequences, config)
+        batches = B.micro_batches(rows, config.micro_batch_size, max_tokens=budget)
+        padded = max(len(mb) * len(mb[0]) for mb in batches)  # longest first in each
+        checkpointing = use_checkpointing(config.gradient_checkpointing,
+                                          self.model.get_base_model().config, padded, use_bf16,
+                                          self.device)
+        self._set_checkpointing(checkpointing)
+        self.model.train()
         metrics.update(forwarded_tokens=P.forwarded_tokens(rows),
-                       packed_rows=sum(isinstance(r, P.Packed) for r in rows))
+                       packed_rows=sum(isinstance(r, P.Packed) for r in rows),
+                       checkpointing=float(checkpointing))
         sums: dict[str, float] = {}
         trained = 0
-        for mb in B.micro_batches(rows, config.micro_batch_size, max_tokens=budget):
+        for mb in batches:
             batch = {k: v.to(self.device) for k, v in self._collate(mb).items()}
             shifted = B.shift_for_next_token(batch)
             mask = shifted["loss_mask"]  # [B, T-1]

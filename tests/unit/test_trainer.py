@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from art_core import LoraConfig, TrainConfig
-from art_core.train.trainer import Trainer
+from art_core.train.trainer import Trainer, activation_bytes, use_checkpointing
 from tests.support.data import lora_state, make_group
 
 
@@ -52,14 +52,47 @@ def test_optimizer_state_resumes_only_for_its_own_checkpoint(trainer, tiny_model
     (True, True, True),  # steps with checkpointing: one embedding hook, not one per step
     (True, False, True),  # off in between: its hook removed, then one again
     (False, False),  # never on: none
+    (True, "auto", "auto"),  # 'auto' on a tiny model's few tokens: off, its hook removed
 ])
 def test_checkpointing_keeps_one_embedding_hook_across_steps(trainer, settings):
     group = make_group(trainer.tokenizer)
     embeddings = trainer.model.get_input_embeddings()
-    for on in settings:
-        trainer.step([group], TrainConfig(learning_rate=1e-2, bf16=False,
-                                          gradient_checkpointing=on))
-        assert len(embeddings._forward_hooks) == int(on), (settings, on)
+    for setting in settings:
+        metrics = trainer.step([group], TrainConfig(learning_rate=1e-2, bf16=False,
+                                                    gradient_checkpointing=setting))
+        on = setting is True
+        assert metrics["checkpointing"] == float(on)
+        assert len(embeddings._forward_hooks) == int(on), (settings, setting)
+
+
+class Shape:
+    """The sizes of SmolLM2-135M's config that the activation estimate reads."""
+
+    num_hidden_layers, hidden_size, intermediate_size = 30, 576, 1536
+
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(("setting", "config", "tokens", "bf16", "device", "expected"), [
+    ("auto", Shape(), 1_427, True, CPU, False),  # the race's step: 1.28 GB estimated
+    ("auto", Shape(), 2_000, True, CPU, False),  # 1.80 GB
+    ("auto", Shape(), 2_400, True, CPU, True),  # 2.16 GB: over the 2 GB line
+    ("auto", Shape(), 1_427, False, CPU, True),  # float32 holds twice as much: 2.56 GB
+    ("auto", Shape(), 100, True, GPU, True),  # a GPU always recomputes under 'auto'
+    ("auto", object(), 100, True, CPU, True),  # sizes unknown: recompute, the safe side
+    (True, Shape(), 100, True, CPU, True),  # an explicit setting is taken as it is
+    (False, Shape(), 100_000, True, CPU, False),
+])
+def test_auto_checkpointing_recomputes_only_what_would_not_fit(setting, config, tokens, bf16,
+                                                               device, expected):
+    assert use_checkpointing(setting, config, tokens, bf16, device) is expected
+
+
+def test_the_activation_estimate_is_calibrated_on_smollm2():
+    # measured on SmolLM2-135M in bf16 (a 2-core CPU): 1.31 GB more peak RSS without
+    # checkpointing for a packed row of 1,427 tokens
+    assert activation_bytes(Shape(), 1_427, bf16=True) == pytest.approx(1.31e9, rel=0.05)
 
 
 def test_grammar_chosen_tokens_train_at_ratio_one_on_the_trainers_own_logprobs(trainer):
