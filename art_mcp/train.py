@@ -24,6 +24,7 @@ second run continues where the first stopped, on the same scenarios.
 from __future__ import annotations
 
 import inspect
+import logging
 import shlex
 import shutil
 import tempfile
@@ -40,6 +41,8 @@ from art_mcp.agent import AgentConfig, run_agent
 from art_mcp.loop import format_table, open_run, ruler_hook, scenario_split, untrained_copy
 from art_mcp.scenarios import Scenario, generate_scenarios, load_scenarios
 from art_mcp.session import RecordingSession, ServerSpec, connect
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EvalStats", "McpTrainResult", "RolloutContext", "TurnReward", "as_server",
            "evaluate", "format_table", "rollout", "train_mcp"]
@@ -160,6 +163,22 @@ async def _scenarios(run_dir: Path, session: RecordingSession, scenarios: Any, g
     return await scenario_split(run_dir, pool, held_out, seed)
 
 
+def credit_config(train_config: TrainConfig | None,
+                  turn_reward: TurnReward | None) -> TrainConfig | None:
+    """The step's config: with a `turn_reward` and no config, per-turn credit (what the turn
+    rewards are for); a config that credits episodes anyway is kept, with a warning, since its
+    steps train on the episode reward alone and the turn rewards are only recorded."""
+    if turn_reward is None:
+        return train_config
+    if train_config is None:
+        return TrainConfig(advantage="turn")
+    if train_config.advantage != "turn":
+        log.warning("train_mcp: a turn_reward is given but TrainConfig.advantage is %r: the "
+                    "steps train on the episode reward and the turn rewards are only recorded "
+                    "(advantage='turn' trains on them)", train_config.advantage)
+    return train_config
+
+
 async def train_mcp(
     server: ServerSpec | str | Sequence[str], *, model: TrainableModel | None = None,
     backend: Any = None, path: str | Path = ".art", scenarios: Any = None,
@@ -181,9 +200,10 @@ async def train_mcp(
     backend). `judge_kwargs` go to `ruler.score_group` (api_base, api_key, timeout...).
     `max_concurrency` caps rollouts (and so server processes) running at once. `oversample`:
     dynamic sampling's budget, groups drawn per group trained at most (None: off;
-    art_core/sampling.py). `turn_reward`: a reward per turn (`TurnReward`), for
-    `TrainConfig(advantage="turn")`."""
+    art_core/sampling.py). `turn_reward`: a reward per turn (`TurnReward`), trained on with
+    `TrainConfig(advantage="turn")`, the config when none is given (`credit_config`)."""
     spec = as_server(server)
+    train_config = credit_config(train_config, turn_reward)
     model = model or TrainableModel(name="mcp-agent", project="mcp")
     async with open_run(model, backend, path, "mcp") as (backend, run_dir):
         after_each = None

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from art_core import ToolEvent, Trajectory, recording
+from art_core import ToolEvent, TrainConfig, Trajectory, recording
 from art_core.loop import Rate
 from art_mcp import ServerSpec, connect
 from art_mcp.cli import load_function, main
-from art_mcp.train import EvalStats, as_server, format_table
+from art_mcp.train import EvalStats, as_server, credit_config, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,3 +102,22 @@ async def test_a_custom_recorder_gets_the_events(tmp_path: Path) -> None:
     assert ok.structured == {"result": "glue: 15 on shelf D2"} and ok.duration_s > 0
     assert bad.is_error and "quantity must be a positive number" in bad.content
     assert bad.error is None  # a tool failure is a result, not a raised error
+
+
+def turn_reward(trajectory: Trajectory, context: object, turn: int) -> float:
+    return 0.0
+
+
+@pytest.mark.parametrize(("config", "reward", "advantage", "warns"), [
+    (None, None, None, False),  # no turn reward: the config as given (None: the loop's)
+    (None, turn_reward, "turn", False),  # a turn reward and no config: trained on, per turn
+    (TrainConfig(advantage="turn"), turn_reward, "turn", False),
+    (TrainConfig(), turn_reward, "group", True),  # kept as asked, but said: only recorded
+    (TrainConfig(), None, "group", False),
+])
+def test_a_turn_reward_gets_per_turn_credit_unless_a_config_says_otherwise(
+        config, reward, advantage, warns, caplog) -> None:
+    with caplog.at_level("WARNING", logger="art_mcp.train"):
+        out = credit_config(config, reward)
+    assert (out.advantage if out else None) == advantage
+    assert ("only recorded" in caplog.text) is warns
