@@ -106,9 +106,11 @@ async def run_step(backend: StepBackend, lock: threading.Lock, model: TrainableM
             metrics.update(off_policy_metrics(groups, step - 1))
             check_served_policy(metrics, step - 1, f"{model.project}/{model.name}")
         kind = "rl" if sft is None else "sft"
+        # the credit a step trained with: `art view` marks the groups it trained by its rule
+        credit = {"advantage": config.advantage} if sft is None else {}
         try:
             await asyncio.to_thread(md.append_history, {"step": step, "kind": kind,
-                                                        **metrics})
+                                                        **credit, **metrics})
         except OSError as e:  # the step is committed; its row is rebuilt at registration
             log.warning("%s/%s step %d: history row not written (%s)", model.project,
                         model.name, step, e)

@@ -18,16 +18,19 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from art_core.model import validate_name
+from art_core.sampling import signal_rule
 from art_core.storage import ModelDir, read_jsonl
-from art_core.trajectory import TrajectoryGroup, continues, has_signal, split_reason
+from art_core.trajectory import TrajectoryGroup, continues, split_reason
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +163,28 @@ class RunView:
         return {"project": project, "name": name, "model": md.read_model_json(),
                 "checkpoints": md.steps(), "splits": splits}
 
+    def _trains(self, md: ModelDir, split: str, step: str | int) -> Callable[[TrajectoryGroup],
+                                                                             bool]:
+        """Whether the step trained a group, by the trainer's rule for the step's credit (its
+        history row's `advantage`; rows written before it was recorded: per-turn where the
+        turn estimator's statistic is there). Groups of other splits are never trained."""
+        if split != "train":
+            return lambda group: False
+        row = md.history_row(int(step)) or {}
+        turn = row.get("advantage") == "turn" or "turn_advantage_abs_mean" in row
+        return signal_rule(SimpleNamespace(advantage="turn" if turn else "group"))
+
     def step_groups(self, project: str, name: str, split: str, step: str) -> dict[str, Any]:
         md = self.model(project, name)
         groups = self._groups(md, split, step)
+        trains = self._trains(md, split, step)
         rows = []
         for i, g in enumerate(groups):
             rewards = g.rewards
             rows.append({
                 "index": i, "rewards": rewards, "trajectories": len(g.trajectories),
                 "exceptions": [{"type": e.type, "message": e.message} for e in g.exceptions],
-                "metadata": g.metadata, "trained": split == "train" and has_signal(rewards),
+                "metadata": g.metadata, "trained": trains(g),
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                 "scenario": _first_user_text(g),
             })
@@ -181,7 +196,7 @@ class RunView:
         if not _STEP.fullmatch(index) or int(index) >= len(groups):
             raise NotFound(f"no group {index}")
         g = groups[int(index)]
-        trained = split == "train" and has_signal(g.rewards)
+        trained = self._trains(md, split, step)(g)
         return {
             "split": split, "step": int(step), "index": int(index), "trained": trained,
             "metadata": g.metadata,

@@ -100,6 +100,8 @@ async def test_sft_then_rl_continue_one_checkpoint_chain(tiny_models, tmp_path):
         assert r2.step == 2 and md.step_record(2)["kind"] == "rl"
         rows = md.read_history()
         assert [(r["step"], r["kind"]) for r in rows] == [(1, "sft"), (2, "rl")]
+        # the RL row names its credit (`art view` marks trained groups by its rule)
+        assert [r.get("advantage") for r in rows] == [None, CONFIG.advantage]
         # the same id again: answered from the committed step, not trained a second time
         again = await backend.train_sft(model, trajectories(), SFT, request_id="sft-1")
         assert again.step == 1 and md.steps() == [0, 1, 2]

@@ -252,3 +252,35 @@ def test_the_view_shows_each_turns_own_reward():
     t.set_turn_reward(1, 0.25)
     rewards = [m["_art"]["reward"] for m in _history_view(t, True)["messages"] if "_art" in m]
     assert rewards == [None, 0.25]
+
+
+def equal_rewards_earned_at_different_turns():
+    from art_core.trajectory import SampledTurn, Trajectory, TrajectoryGroup
+
+    trajectories = []
+    for first in (1.0, 0.0):  # both end at 1.0: one earned it at its first turn, one at its last
+        t = Trajectory(
+            messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                      {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}],
+            turns=[SampledTurn(message_index=i, prompt_token_ids=[1], completion_token_ids=[2],
+                               logprobs=[-1.0]) for i in (1, 3)], reward=1.0)
+        t.set_turn_reward(0, first)
+        trajectories.append(t)
+    return TrajectoryGroup(trajectories=trajectories)
+
+
+@pytest.mark.parametrize(("row", "trained"), [
+    ({"kind": "rl", "advantage": "turn"}, True),  # per-turn credit trains this group
+    ({"kind": "rl", "advantage": "group"}, False),  # episode credit: equal rewards, no signal
+    ({"kind": "rl", "turn_advantage_abs_mean": 0.5}, True),  # a row from before "advantage"
+    ({"kind": "rl"}, False),
+])
+def test_the_trained_mark_follows_the_credit_the_step_used(tmp_path, row, trained):
+    from art_core.observe.viewer import RunView
+
+    md = ModelDir(tmp_path, "demo", "agent")
+    md.journal_groups(1, [equal_rewards_earned_at_different_turns()])
+    md.append_history({"step": 1, **row})
+    view = RunView(tmp_path)
+    assert view.step_groups("demo", "agent", "train", "1")["groups"][0]["trained"] is trained
+    assert view.group("demo", "agent", "train", "1", "0")["trained"] is trained
