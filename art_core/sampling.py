@@ -208,10 +208,13 @@ def _next_round(strata: list[_Stratum]) -> list[tuple[_Stratum, Any]]:
 
 
 def signal_rule(train_config: Any = None) -> Callable[[TrajectoryGroup], bool]:
-    """The trainer's own rule for whether a group trains under `train_config`: rewards not
-    all equal (`TrajectoryGroup.has_signal`), or under per-turn credit
-    (`advantage="turn"`) a turn advantage that is not 0 (`credit.has_turn_signal`)."""
-    if getattr(train_config, "advantage", "group") == "turn":
+    """The trainer's own rule for whether a group trains under `train_config` (a TrainConfig,
+    or the name of its `advantage`): rewards not all equal (`TrajectoryGroup.has_signal`), or
+    under per-turn credit (`advantage="turn"`) a turn advantage that is not 0
+    (`credit.has_turn_signal`)."""
+    advantage = (train_config if isinstance(train_config, str)
+                 else getattr(train_config, "advantage", "group"))
+    if advantage == "turn":
         from art_core.train.credit import has_turn_signal  # pure Python, no torch
 
         return lambda group: has_turn_signal(group.trajectories)

@@ -23,7 +23,6 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -172,7 +171,7 @@ class RunView:
             return lambda group: False
         row = md.history_row(int(step)) or {}
         turn = row.get("advantage") == "turn" or "turn_advantage_abs_mean" in row
-        return signal_rule(SimpleNamespace(advantage="turn" if turn else "group"))
+        return signal_rule("turn" if turn else "group")
 
     def step_groups(self, project: str, name: str, split: str, step: str) -> dict[str, Any]:
         md = self.model(project, name)

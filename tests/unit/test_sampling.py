@@ -288,6 +288,7 @@ def test_the_signal_rule_follows_the_trainers_advantage(group, by_reward, by_tur
     assert signal_rule()(g) is by_reward
     assert signal_rule(TrainConfig(advantage="group"))(g) is by_reward
     assert signal_rule(TrainConfig(advantage="turn"))(g) is by_turn
+    assert signal_rule("turn")(g) is by_turn and signal_rule("group")(g) is by_reward
 
 
 async def test_gather_keeps_groups_by_the_rule_it_is_given():
