@@ -101,6 +101,8 @@ class Settings:
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
+    parallel_weight: int = 1  # parallel's share of a step's groups, in categories' shares
+    kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
 
 async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
@@ -127,6 +129,15 @@ async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
     traj.metadata.update(id=item.id, category=item.category,
                          error_type=verdict.error_type or "")
     return traj
+
+
+def stratum(task: Task, parallel_weight: int = 1) -> str:
+    """The task's stratum for `balance`: its category, and `parallel` split `parallel_weight`
+    ways (by the item's number, so the same on every run), to give it that many shares."""
+    category = task.item.category
+    if category != "parallel" or parallel_weight == 1:
+        return category
+    return f"parallel{int(task.item.id.rsplit('_', 1)[1]) % parallel_weight}"
 
 
 def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
@@ -191,9 +202,9 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                 run_dir,
                 steps=s.steps, groups_per_step=s.groups_per_step,
                 rollouts_per_group=s.rollouts_per_group, eval_rollouts=1,
-                train_config=TrainConfig(learning_rate=s.learning_rate), seed=s.seed,
+                train_config=TrainConfig(learning_rate=s.learning_rate, kl_coef=s.kl_coef), seed=s.seed,
                 max_concurrency=16, oversample=s.oversample, on_step=step_line,
-                stratify=(lambda task: task.item.category) if s.balance else None)
+                stratify=(lambda task: stratum(task, s.parallel_weight)) if s.balance else None)
             first, last = min(loop.evals), loop.after.step
             before = summarize(held_out_results(run_dir, first))
             after = summarize(held_out_results(run_dir, last))
@@ -227,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-balance", dest="balance", action="store_false",
                    help="draw the step's items from all categories at once, not an even share "
                         "of each")
+    p.add_argument("--parallel-weight", type=int, default=d.parallel_weight,
+                   help="parallel's share of each step's groups, in categories' shares "
+                        "(default: %(default)s)")
+    p.add_argument("--kl-coef", type=float, default=d.kl_coef,
+                   help="weight of a KL penalty to the base model (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
                                      count_credit=a.count_credit, call_credit=a.call_credit,
-                                     balance=a.balance),
+                                     balance=a.balance, parallel_weight=a.parallel_weight,
+                                     kl_coef=a.kl_coef),
                     a.fresh))
     return 0
 
