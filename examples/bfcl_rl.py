@@ -31,7 +31,10 @@ BFCL's own checker, on a 2-core CPU.
    attempts all score alike are replaced, up to `oversample` x as many drawn), shared out over
    the four categories (`balance`: without it the steps fill up with the categories the model
    still varies on, and parallel, on which it collapses to one call, is hardly trained: 3 of 60
-   groups in 12 steps, 18 of 68 with it), x `rollouts_per_group` attempts sampled at
+   groups in 12 steps, 18 of 68 with it), parallel with `parallel_weight` (2) shares: with one,
+   the single-call items taught "one call" everywhere within four steps and held-out parallel
+   fell (1/40 -> 0/40 at seed 1, twice); with two it held or rose (docs/bfcl.md),
+   x `rollouts_per_group` attempts sampled at
    `TEMPERATURE`, one GRPO step on a LoRA, hot-swap (art_core.loop.train_loop).
 
 The prompting is the same before and after: only the weights change. Several calls are
@@ -101,7 +104,7 @@ class Settings:
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
-    parallel_weight: int = 1  # parallel's share of a step's groups, in categories' shares
+    parallel_weight: int = 2  # parallel's share of a step's groups, in categories' shares
     kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
 
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of a KL penalty to the base model (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
+    if a.parallel_weight < 1:
+        p.error(f"--parallel-weight must be 1 or more, got {a.parallel_weight}")
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
                                      count_credit=a.count_credit, call_credit=a.call_credit,
