@@ -19,7 +19,12 @@ from art_bfcl.checker import (
     Verdict,
     unavailable_reason,
 )
-from art_bfcl.multi_turn_rollout import MAX_STEPS, held_out_ids, multi_turn_episode
+from art_bfcl.multi_turn_rollout import (
+    MAX_STEPS,
+    ground_truth_episode,
+    held_out_ids,
+    multi_turn_episode,
+)
 from art_bfcl.tasks import (
     CATEGORIES,
     OPEN_CATEGORIES,
@@ -37,6 +42,6 @@ __all__ = [
     "BFCL_VERSION", "CATEGORIES", "MAX_STEPS", "Attempt", "BfclUnavailable", "BfclWorker",
     "CategoryResult", "Item", "MultiTurnItem", "MultiTurnVerdict", "OPEN_CATEGORIES",
     "Prompting", "Split",
-    "Verdict", "evaluate", "held_out_ids", "make_split", "multi_turn_episode", "summarize",
+    "Verdict", "evaluate", "ground_truth_episode", "held_out_ids", "make_split", "multi_turn_episode", "summarize",
     "table", "unavailable_reason",
 ]

@@ -12,6 +12,11 @@ the episode the same way (`context_full`).
 Rewards: `reward` = turns passed in a row from the first / turns (the official verdict is
 `metrics["passed"]`); per turn (for `TrainConfig(advantage="turn")`), the last assistant turn
 of each user turn that passed gets 1 / turns, so the per-turn rewards sum to the episode's.
+
+`ground_truth_episode` is the same conversation as the ground truth would hold it (its calls
+one per step, run by BFCL on the episode's own instances, and a short reply without a call
+that ends each user turn): supervised data for a warm start, since SmolLM2-135M never makes a
+call that decodes here and RL from its own attempts has no signal (docs/bfcl.md).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import hashlib
 import uuid
 from typing import Any
 
-from art_bfcl.checker import BfclWorker, Calls, MultiTurnItem, step_calls
+from art_bfcl.checker import BfclWorker, Calls, MultiTurnItem, ground_truth_steps, step_calls
 
 MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT (bfcl_eval.constants.default_prompts)
 
@@ -80,6 +85,37 @@ async def multi_turn_episode(client: Any, model: str, item: MultiTurnItem, worke
                         context_full=float(stop == "context_full"),
                         force_quit=float(stop == "force_quit"))
     traj.metadata.update(id=item.id, error_type=verdict.error_type or "")
+    return traj
+
+
+def ground_truth_episode(item: MultiTurnItem, worker: BfclWorker, *,
+                         reply: str = "Done.") -> Any:
+    """The episode the ground truth makes of `item`, as a Trajectory (reward 1) for SFT: per
+    user turn its messages, each ground-truth call as an assistant step followed by BFCL's
+    result of it, then `reply` (a message without a call ends the turn, as in an episode)."""
+    from art_core import Trajectory
+
+    traj = Trajectory(messages=[], tools=item.tools, reward=1.0)
+    session = f"{item.id}-truth-{uuid.uuid4().hex[:12]}"
+    try:
+        for t, (user_turn, steps) in enumerate(zip(item.turns, ground_truth_steps(item),
+                                                   strict=True)):
+            traj.messages.extend(dict(m) for m in user_turn)
+            for k, calls in enumerate(steps):
+                ran = worker.execute(item, session, calls)
+                if ran is None:
+                    raise ValueError(f"{item.id}: ground-truth call {calls} of turn {t} does not "
+                                     "decode")
+                ids = [f"call_{t}_{k}_{j}" for j in range(len(calls))]
+                traj.messages.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+                    for i, call in zip(ids, calls, strict=True) for name, args in call.items()]})
+                traj.messages.extend({"role": "tool", "tool_call_id": i, "content": result}
+                                     for i, result in zip(ids, ran[1], strict=True))
+            traj.messages.append({"role": "assistant", "content": reply})
+    finally:
+        worker.end_session(session)
+    traj.metadata.update(id=item.id)
     return traj
 
 

@@ -176,3 +176,53 @@ async def test_an_episode_that_never_stops_calling_is_force_terminated(worker, i
     assert client.asked == MAX_STEPS + 1  # BFCL: more than 20 steps in a turn ends it
     assert traj.metrics["force_quit"] == 1.0 and traj.metrics["passed"] == 0.0
     assert traj.reward == 0.0
+
+
+def steps_of(messages: list[dict]) -> list[list[list[dict]]]:
+    """The model steps of a conversation per user turn, as an episode hands them to the checker
+    (a reply without a call is a step that ends the turn)."""
+    turns: list[list[list[dict]]] = []
+    for k, m in enumerate(messages):
+        if m["role"] == "user" and (k == 0 or messages[k - 1]["role"] != "user"):
+            turns.append([])
+        elif m["role"] == "assistant":
+            turns[-1].append(step_calls(m))
+    return turns
+
+
+def test_the_ground_truth_episode_is_the_conversation_that_passes(worker, items):
+    """SFT data for a warm start: every entry's ground-truth conversation, its calls run by BFCL
+    on the episode's own instances, passes BFCL's checker on every turn."""
+    from art_bfcl import ground_truth_episode
+
+    for item in items.values():
+        traj = ground_truth_episode(item, worker)
+        turns = steps_of(traj.messages)
+        assert len(turns) == len(item.turns), item.id
+        assert all(turn[-1] == [] for turn in turns)  # each user turn ends with a reply
+        verdict = worker.check_turns(item, turns)
+        assert verdict.valid and verdict.turns_passed == verdict.n_turns, (item.id, verdict)
+        asked: set[str] = set()  # every tool message answers a call of the step before it
+        for m in traj.messages:
+            if m["role"] == "assistant":
+                asked = {c["id"] for c in m.get("tool_calls") or []}
+            elif m["role"] == "tool":
+                assert m["tool_call_id"] in asked and isinstance(m["content"], str), item.id
+
+
+def test_the_ground_truth_episode_trains_its_calls_and_replies(worker, items, smollm2_tokenizer):
+    from art_bfcl import ground_truth_episode
+    from art_core.sft.render import assistant_mask_tokens
+
+    item = items["multi_turn_base_0"]
+    traj = ground_truth_episode(item, worker, reply="All done.")
+    tokens, mask = assistant_mask_tokens(smollm2_tokenizer, traj.messages, traj.tools, "all")
+    trained = smollm2_tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m])
+    calls = [c["function"] for m in traj.messages for c in m.get("tool_calls") or []]
+    assert len(calls) == sum(len(turn) for turn in ground_truth_steps(item))
+    for c in calls:  # each call's name and argument names are in what trains
+        assert c["name"] in trained
+        assert all(f'"{key}"' in trained for key in json.loads(c["arguments"]))
+    assert trained.count("All done.") == len(item.turns)
+    result = max((m["content"] for m in traj.messages if m["role"] == "tool"), key=len)
+    assert result not in trained and result in smollm2_tokenizer.decode(tokens)  # context only
