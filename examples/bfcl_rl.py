@@ -2,7 +2,7 @@
 choose a function and fill its arguments, and when no function fits, not to call one, scored by
 BFCL's own checker, on a 2-core CPU.
 
-    python examples/bfcl_rl.py            # ~25-30 min on a 2-core CPU; again: 12 more steps
+    python examples/bfcl_rl.py            # ~25-35 min on a 2-core CPU; again: 12 more steps
 
 1. Split (fixed, saved as <run dir>/split.json): per category (simple_python, multiple,
    parallel, irrelevance) a seeded hash of each item's id orders the items; the first
@@ -94,7 +94,7 @@ class Task:
 
 @dataclass
 class Settings:
-    steps: int = 12  # ~25-30 min here; held-out simple_python+multiple ~47% (docs/bfcl.md)
+    steps: int = 12  # ~25-35 min here; held-out simple_python+multiple 42-51% (docs/bfcl.md)
     groups_per_step: int = 6
     rollouts_per_group: int = 8
     learning_rate: float = 1e-3
