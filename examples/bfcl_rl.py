@@ -31,11 +31,11 @@ BFCL's own checker, on a 2-core CPU.
    attempts all score alike are replaced, up to `oversample` x as many drawn), shared out over
    the four categories (`balance`: without it the steps fill up with the categories the model
    still varies on, and parallel, on which it collapses to one call, is hardly trained: 3 of 60
-   groups in 12 steps, 18 of 68 with it), parallel with `parallel_weight` (2) shares: with one,
-   the single-call items taught "one call" everywhere within four steps and held-out parallel
-   fell (1/40 -> 0/40 at seed 1, twice); with two it held or rose (docs/bfcl.md),
-   x `rollouts_per_group` attempts sampled at
-   `TEMPERATURE`, one GRPO step on a LoRA, hot-swap (art_core.loop.train_loop).
+   groups in 12 steps, 18 of 68 with it), parallel with `parallel_weight` (2) shares (with
+   one, the single-call items taught "one call" everywhere within four steps and held-out
+   parallel fell, 1/40 -> 0/40 at seed 1 twice; with two it held or rose at seeds 0-2,
+   docs/bfcl.md), x `rollouts_per_group` attempts sampled at `TEMPERATURE`, one GRPO step on
+   a LoRA, hot-swap (art_core.loop.train_loop).
 
 The prompting is the same before and after: only the weights change. Several calls are
 allowed on every item (as OpenAI's API default, which BFCL's handler leaves alone), so how many
