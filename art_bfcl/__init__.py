@@ -24,6 +24,7 @@ from art_bfcl.multi_turn_rollout import (
     ground_truth_episode,
     held_out_ids,
     multi_turn_episode,
+    multi_turn_report,
 )
 from art_bfcl.tasks import (
     CATEGORIES,
@@ -42,6 +43,7 @@ __all__ = [
     "BFCL_VERSION", "CATEGORIES", "MAX_STEPS", "Attempt", "BfclUnavailable", "BfclWorker",
     "CategoryResult", "Item", "MultiTurnItem", "MultiTurnVerdict", "OPEN_CATEGORIES",
     "Prompting", "Split",
-    "Verdict", "evaluate", "ground_truth_episode", "held_out_ids", "make_split", "multi_turn_episode", "summarize",
+    "Verdict", "evaluate", "ground_truth_episode", "held_out_ids", "make_split", "multi_turn_episode",
+    "multi_turn_report", "summarize",
     "table", "unavailable_reason",
 ]

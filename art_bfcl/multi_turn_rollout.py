@@ -119,6 +119,32 @@ def ground_truth_episode(item: MultiTurnItem, worker: BfclWorker, *,
     return traj
 
 
+def multi_turn_report(trajs: list[Any]) -> str:
+    """A table of scored episodes: the official accuracy (every turn passes) and the per-turn
+    pass rate (turns passed in a row from the first, over all turns), each with its 95% Wilson
+    interval (one entry's turns are not independent: the per-turn interval is narrower than it
+    should be); the mean model calls per entry and how many outgrew the context or the step
+    limit."""
+    from art_core.observe.base import wilson
+
+    n = len(trajs)
+    passed = sum(int(t.metrics["passed"]) for t in trajs)
+    turns = sum(int(t.metrics["turns"]) for t in trajs)
+    turns_ok = sum(int(t.metrics["turns_passed"]) for t in trajs)
+    rows = [("official (all turns)", passed, n), ("per turn (in a row)", turns_ok, turns)]
+    lines = [f"{'metric':<22} {'passed':>7} {'of':>5} {'rate':>7} {'95% interval':>14}"]
+    for label, k, total in rows:
+        lo, hi = wilson(k, total)
+        lines.append(f"{label:<22} {k:>7} {total:>5} {100 * k / max(total, 1):>6.1f}% "
+                     f"{f'[{100 * lo:.1f}%, {100 * hi:.1f}%]':>14}")
+    calls = sum(t.metrics["model_calls"] for t in trajs) / max(n, 1)
+    full = sum(int(t.metrics["context_full"]) for t in trajs)
+    quit_ = sum(int(t.metrics["force_quit"]) for t in trajs)
+    lines.append(f"{calls:.1f} model calls per entry; context full {full}, step limit {quit_} "
+                 f"of {n} entries")
+    return "\n".join(lines)
+
+
 def held_out_ids(items: list[MultiTurnItem], n: int = 100, seed: int = 0) -> list[str]:
     """The `n` held-out entries: ordered by a hash of the seed and the id (not the data's
     order), the first n."""

@@ -28,31 +28,16 @@ import tempfile
 import time
 from typing import Any
 
-from art_bfcl import BfclWorker, MultiTurnItem, held_out_ids, multi_turn_episode
+from art_bfcl import (
+    BfclWorker,
+    MultiTurnItem,
+    held_out_ids,
+    multi_turn_episode,
+    multi_turn_report,
+)
 
 HELD_OUT = 100
 CONTEXT = 8192
-
-
-def report(trajs: list[Any]) -> str:
-    from art_core.observe.base import wilson
-
-    n = len(trajs)
-    passed = sum(int(t.metrics["passed"]) for t in trajs)
-    turns = sum(int(t.metrics["turns"]) for t in trajs)
-    turns_ok = sum(int(t.metrics["turns_passed"]) for t in trajs)
-    rows = [("official (all turns)", passed, n), ("per turn (in a row)", turns_ok, turns)]
-    lines = [f"{'metric':<22} {'passed':>7} {'of':>5} {'rate':>7} {'95% interval':>14}"]
-    for label, k, total in rows:
-        lo, hi = wilson(k, total)
-        lines.append(f"{label:<22} {k:>7} {total:>5} {100 * k / max(total, 1):>6.1f}% "
-                     f"{f'[{100 * lo:.1f}%, {100 * hi:.1f}%]':>14}")
-    calls = sum(t.metrics["model_calls"] for t in trajs) / max(n, 1)
-    full = sum(int(t.metrics["context_full"]) for t in trajs)
-    quit_ = sum(int(t.metrics["force_quit"]) for t in trajs)
-    lines.append(f"{calls:.1f} model calls per entry; context full {full}, step limit {quit_} "
-                 f"of {n} entries")
-    return "\n".join(lines)
 
 
 async def run(client: Any, model: str, items: list[MultiTurnItem], worker: BfclWorker,
@@ -72,7 +57,7 @@ async def run(client: Any, model: str, items: list[MultiTurnItem], worker: BfclW
         return traj
 
     trajs = list(await asyncio.gather(*(one(i) for i in items)))
-    print(report(trajs))
+    print(multi_turn_report(trajs))
     print(f"({len(items)} entries in {time.perf_counter() - t0:.0f} s)")
     return trajs
 

@@ -226,3 +226,38 @@ def test_the_ground_truth_episode_trains_its_calls_and_replies(worker, items, sm
     assert trained.count("All done.") == len(item.turns)
     result = max((m["content"] for m in traj.messages if m["role"] == "tool"), key=len)
     assert result not in trained and result in smollm2_tokenizer.decode(tokens)  # context only
+
+
+def test_the_examples_split_holds_out_and_trains_the_shortest(worker, items, tmp_path):
+    """examples/bfcl_multiturn_rl.py: held-out entries are never trained on; the training
+    entries are the shortest of the rest; the split is saved, read back, and a split made with
+    other settings is refused."""
+    from tests.support.data import load_example
+
+    example = load_example("bfcl_multiturn_rl")
+    settings = example.Settings(train_entries=10)
+    split = example.the_split(list(items.values()), tmp_path, settings)
+    assert len(split["held_out"]) == 100 and len(split["train"]) == 10
+    assert not set(split["held_out"]) & set(split["train"])
+    longest_trained = max(example.size(items[i]) for i in split["train"])
+    rest = set(items) - set(split["held_out"]) - set(split["train"])
+    assert all(example.size(items[i]) >= longest_trained for i in rest)
+    assert example.the_split(list(items.values()), tmp_path, settings) == split
+    with pytest.raises(SystemExit, match="split.json was made with other settings"):
+        example.the_split(list(items.values()), tmp_path, example.Settings(train_entries=11))
+
+
+def test_the_examples_training_conversations_fit_the_context(worker, items, tmp_path,
+                                                            smollm2_tokenizer):
+    """The default training entries' ground-truth conversations fit the example's context, so
+    the warm start skips none of them."""
+    from art_bfcl import ground_truth_episode
+    from art_core.sft.render import assistant_mask_tokens
+    from tests.support.data import load_example
+
+    example = load_example("bfcl_multiturn_rl")
+    split = example.the_split(list(items.values()), tmp_path, example.Settings())
+    lengths = [len(assistant_mask_tokens(smollm2_tokenizer, t.messages, t.tools)[0])
+               for t in (ground_truth_episode(items[i], worker) for i in split["train"])]
+    assert len(lengths) == example.Settings().train_entries
+    assert max(lengths) <= example.CONTEXT
