@@ -284,3 +284,18 @@ def test_the_benchmark_asks_only_held_out_items_of_a_split(worker):
         "multiple_0", "multiple_1", "multiple_2"]
     with pytest.raises(SystemExit, match="holds out nothing of 'parallel'"):
         bench.select(worker, ["parallel"], split=split)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--train-entries", "0"], "--train-entries must be positive, got 0"),
+    (["--eval-entries", "-1"], "--eval-entries must be positive, got -1"),
+    (["--sft-epochs", "0"], "--sft-epochs must be positive, got 0"),
+    (["--credit", "token"], "argument --credit: invalid choice: 'token'"),
+])
+def test_the_multi_turn_examples_bad_options_are_refused_by_name(argv, message, capsys):
+    from tests.support.data import load_example
+
+    example = load_example("bfcl_multiturn_rl")
+    with pytest.raises(SystemExit):
+        example.main(argv)
+    assert message in capsys.readouterr().err
