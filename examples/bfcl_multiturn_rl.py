@@ -2,7 +2,7 @@
 the ground truth, then GRPO with per-turn or episode credit, scored by BFCL's own multi-turn
 checker, on a 2-core CPU.
 
-    python examples/bfcl_multiturn_rl.py --fresh                   # per-turn credit
+    python examples/bfcl_multiturn_rl.py --fresh                   # per-turn credit; ~45 min
     python examples/bfcl_multiturn_rl.py --fresh --credit episode  # the same, episode credit
 
 1. Split (fixed, saved as <run dir>/split.json): `held_out_ids` holds out `held_out` (100) of
@@ -28,6 +28,11 @@ checker, on a 2-core CPU.
    `--credit turn` (`TrainConfig(advantage="turn")`: each turn's return-to-go against the
    group's other episodes at the same turn) or `--credit episode` (`advantage="group"`: the
    episode's reward on every sampled token), hot-swap (art_core.loop.train_loop).
+
+Measured (docs/bfcl.md, 2-core CPU): the warm start takes ~26 min and teaches the call format
+(calls that decode, none before) but not right calls: no held-out turn passed (0/27) and RL's
+first step found no group with signal. SmolLM2-135M is too small for this benchmark:
+`--base-model` trains a larger one (on a GPU host, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class Settings:
     credit: str = "turn"
     oversample: float = 2.0
     max_tokens: int = 256
+    base_model: str = ""  # "": the embedded default (art_core.model.DEFAULT_BASE_MODEL)
 
 
 def size(item: MultiTurnItem) -> int:
@@ -138,7 +144,8 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
     with BfclWorker() as worker:
         async with LocalBackend(path) as backend:
             model = TrainableModel(name=name, project=project, config=ModelConfig(
-                engine=EngineConfig(max_model_len=CONTEXT)))
+                engine=EngineConfig(max_model_len=CONTEXT)),
+                **({"base_model": s.base_model} if s.base_model else {}))
             run_dir = Path(path) / project / "models" / name
             if fresh and run_dir.exists():
                 shutil.rmtree(run_dir)
@@ -206,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-epochs", type=int, default=d.sft_epochs)
     p.add_argument("--oversample", type=float, default=d.oversample)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--base-model", default=d.base_model,
+                   help="the model to train (default: the embedded SmolLM2-135M)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
     for flag in ("steps", "eval_entries", "train_entries", "sft_epochs"):
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         rollouts_per_group=a.rollouts_per_group, learning_rate=a.learning_rate, seed=a.seed,
         held_out=a.held_out, eval_entries=a.eval_entries, train_entries=a.train_entries,
         sft_epochs=a.sft_epochs, credit=a.credit, oversample=a.oversample,
-        max_tokens=a.max_tokens), a.fresh))
+        max_tokens=a.max_tokens, base_model=a.base_model), a.fresh))
     return 0
 
 
