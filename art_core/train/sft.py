@@ -120,6 +120,10 @@ def sft_step(trainer: Trainer, examples: list[Trajectory], config: SFTConfig,
     forwarded = trained_tokens = 0
     grad_norm = 0.0
     update = 0
+    from tqdm.auto import tqdm  # a warm start on long agent examples runs for many minutes
+
+    bar = tqdm(total=total, desc=f"sft: {len(by_example)} examples x {config.epochs} epochs",
+               unit="update")
     try:
         for _ in range(config.epochs):
             rng.shuffle(order)
@@ -155,11 +159,14 @@ def sft_step(trainer: Trainer, examples: list[Trajectory], config: SFTConfig,
                                              f"{update}: not applied")
                 opt.step()
                 update += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{batch_loss:.3f}")
                 epoch_loss += batch_loss * n_tokens
                 epoch_tokens += n_tokens
             epoch_losses.append(epoch_loss / max(epoch_tokens, 1))
             trained_tokens = int(epoch_tokens)
     finally:
+        bar.close()
         opt.zero_grad(set_to_none=True)
         for g in opt.param_groups:  # an RL step after this one starts at its own rate
             g["lr"] = config.learning_rate
