@@ -2,7 +2,7 @@
 the ground truth, then GRPO with per-turn or episode credit, scored by BFCL's own multi-turn
 checker, on a 2-core CPU.
 
-    python examples/bfcl_multiturn_rl.py --fresh                   # per-turn credit; ~45 min
+    python examples/bfcl_multiturn_rl.py --fresh                   # per-turn credit; ~45-60 min
     python examples/bfcl_multiturn_rl.py --fresh --credit episode  # the same, episode credit
 
 1. Split (fixed, saved as <run dir>/split.json): `held_out_ids` holds out `held_out` (100) of
