@@ -66,7 +66,7 @@ from art_core import (
     TrajectoryGroup,
 )
 from art_core.loop import load_eval_groups, train_loop
-from art_core.model import TrainResult
+from art_core.model import DEFAULT_BASE_MODEL, TrainResult
 
 CONTEXT = 8192  # an entry's tool docs are ~5-7k tokens (docs/bfcl.md)
 CREDITS = {"turn": "turn", "episode": "group"}  # --credit -> TrainConfig.advantage
@@ -94,7 +94,7 @@ class Settings:
     credit: str = "turn"
     oversample: float = 2.0
     max_tokens: int = 256
-    base_model: str = ""  # "": the embedded default (art_core.model.DEFAULT_BASE_MODEL)
+    base_model: str = DEFAULT_BASE_MODEL  # the embedded SmolLM2-135M
 
 
 def size(item: MultiTurnItem) -> int:
@@ -107,7 +107,8 @@ def size(item: MultiTurnItem) -> int:
 def the_split(items: list[MultiTurnItem], run_dir: Path, s: Settings) -> dict[str, Any]:
     """The split of this run: made and saved on the first run, read back on the next ones."""
     held = held_out_ids(items, s.held_out, s.seed)
-    rest = sorted((i for i in items if i.id not in set(held)), key=lambda i: (size(i), i.id))
+    held_set = set(held)
+    rest = sorted((i for i in items if i.id not in held_set), key=lambda i: (size(i), i.id))
     split = {"bfcl": BFCL_VERSION, "seed": s.seed, "held_out": held,
              "train": [i.id for i in rest[:s.train_entries]]}
     path = run_dir / "split.json"
@@ -144,8 +145,7 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
     with BfclWorker() as worker:
         async with LocalBackend(path) as backend:
             model = TrainableModel(name=name, project=project, config=ModelConfig(
-                engine=EngineConfig(max_model_len=CONTEXT)),
-                **({"base_model": s.base_model} if s.base_model else {}))
+                engine=EngineConfig(max_model_len=CONTEXT)), base_model=s.base_model)
             run_dir = Path(path) / project / "models" / name
             if fresh and run_dir.exists():
                 shutil.rmtree(run_dir)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oversample", type=float, default=d.oversample)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--base-model", default=d.base_model,
-                   help="the model to train (default: the embedded SmolLM2-135M)")
+                   help="the model to train (default: %(default)s, embedded)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
     for flag in ("steps", "eval_entries", "train_entries", "sft_epochs"):
