@@ -13,7 +13,8 @@
    (`sampling_*`) and in `<run_dir>/sampling.jsonl`. `oversample=None` turns it off: the first
    groups_per_step scenarios are trained whatever their rewards. `stratify(scenario)` (e.g. a
    benchmark's category) shares each step's groups out over the strata, each drawn from its own
-   stream (sampling.py, step 5); which strata get the odd places turns with the step.
+   stream (sampling.py, step 5), `stratum_weights` (e.g. {"parallel": 2}) giving a stratum
+   more of each step than the others; which strata get the odd places turns with the step.
 3. `evaluate` again (and after every `eval_every` steps, for a curve).
 
 A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,10 @@ from art_core.observe.base import wilson
 from art_core.sampling import (
     DEFAULT_BUDGET,
     gather_signal_groups,
-    interleave,
+    shares,
     shuffled_passes,
     signal_rule,
+    weigh,
 )
 from art_core.storage import append_jsonl, read_jsonl
 from art_core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
@@ -169,16 +171,22 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                      max_exceptions: int | float = 0.5,
                      oversample: float | None = DEFAULT_BUDGET,
                      stratify: Callable[[Any], Hashable] | None = None,
+                     stratum_weights: Mapping[Hashable, float] | None = None,
                      on_step: Callable[[TrainResult, list[TrajectoryGroup]], str] = step_line,
                      print_fn: Callable[[str], None] = print) -> LoopResult:
     """Evaluate, train `steps` GRPO steps, evaluate again (see the module docstring).
     `oversample`: groups drawn per group asked for, at most, while groups without signal are
     replaced (None: off). `stratify`: a scenario's stratum, to share each step's groups out
-    over the strata. `on_step` formats the line printed after each step."""
+    over the strata, in proportion to `stratum_weights` where given (others: 1). `on_step`
+    formats the line printed after each step."""
     if oversample is not None and (isinstance(oversample, bool)
                                    or not isinstance(oversample, int | float) or oversample < 1):
         raise ValueError(f"oversample must be None or a number >= 1, got {oversample!r}")
     train = list(train)
+    if stratum_weights and stratify is None:
+        raise ValueError("stratum_weights: needs stratify, the scenarios' strata")
+    if stratify is not None:  # a bad weight is refused before any rollout
+        weigh(sorted({stratify(s) for s in train}, key=str), stratum_weights)
     run_dir.mkdir(parents=True, exist_ok=True)
     evals: dict[int, EvalStats] = {}
     for r in read_jsonl(run_dir / "eval.jsonl"):
@@ -206,10 +214,10 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
         description = f"step {start + i + 1} rollouts"
         sampling: dict[str, float] = {}
         if oversample is None:
-            flat = interleave(list(stream.values())) if isinstance(stream, dict) else stream
             groups = await gather_trajectory_groups(
                 ([rollout(s) for _ in range(rollouts_per_group)]
-                 for s in itertools.islice(flat, min(groups_per_step, len(train)))),
+                 for s in first_draws(stream, min(groups_per_step, len(train)),
+                                      stratum_weights)),
                 max_exceptions=max_exceptions, after_each=after_each,
                 max_concurrency=max_concurrency, description=description)
         else:
@@ -219,7 +227,7 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                                                 round(oversample * groups_per_step)),
                 max_exceptions=max_exceptions, after_each=after_each,
                 max_concurrency=max_concurrency, description=description,
-                signal=signal_rule(train_config))
+                signal=signal_rule(train_config), weights=stratum_weights)
             # nothing with signal even within the budget: the step still advances (invariant 7)
             groups = found.groups or found.skipped[:groups_per_step]
             sampling = found.metrics()
@@ -250,6 +258,16 @@ def draws(train: list[Any], seed: str, step: int,
     keys = sorted(strata, key=str)
     turn = step % len(keys)
     return {k: shuffled_passes(strata[k], f"{seed}-{k}") for k in keys[turn:] + keys[:turn]}
+
+
+def first_draws(stream: Iterator[Any] | dict[Hashable, Iterator], n: int,
+                weights: Mapping[Hashable, float] | None) -> list[Any]:
+    """The first `n` scenarios of a step's stream; of strata, each its share of `n`."""
+    if not isinstance(stream, dict):
+        return list(itertools.islice(stream, n))
+    w = weigh(stream, weights)
+    return [s for (key, it), k in zip(stream.items(), shares(n, list(w.values())), strict=True)
+            for s in itertools.islice(it, k)]
 
 
 def load_eval_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:

@@ -24,11 +24,12 @@ a hard task most groups are like that (the demo measured 5 of 6 per step). DAPO 
    budget, or change the task's difficulty.)
 
 5. Strata (`scenarios` a mapping of stratum -> stream, e.g. a benchmark's categories): `n` and
-   the budget are split over the strata as evenly as they go (the first ones one more), and
+   the budget are split over the strata as evenly as they go (the first ones one more), or in
+   proportion to `weights` (a stratum of weight 2 gets twice the places and budget), and
    each stratum runs steps 1-4 on its own stream within its share; a round draws from every
    stratum still short at once. A stratum that spends its budget or its scenarios without
-   filling its places hands them to the strata that can still draw (their spare groups with
-   signal first); places nobody can draw for go to any spare left. Without strata the groups
+   filling its places hands them to the strata that can still draw, by weight (their spare
+   groups with signal first); places nobody can draw for go to any spare left. Without strata the groups
    with signal come from whatever the model still varies on: a category it has collapsed on
    (all pass, or all fail alike) is never trained on again, and the others take the step.
 
@@ -73,20 +74,19 @@ def shuffled_passes(items: Sequence[T], seed: Any, offset: int = 0) -> Iterator[
                 yield items[i]
 
 
-def interleave(streams: Sequence[Iterator[T]]) -> Iterator[T]:
-    """One draw from each stream in turn, forever (streams that end are passed over)."""
-    live = list(streams)
-    while live:
-        for it in list(live):
-            try:
-                yield next(it)
-            except StopIteration:
-                live.remove(it)
-
-
-def shares(total: int, k: int) -> list[int]:
-    """`total` split over `k` parts as evenly as it goes, the first parts one more."""
-    return [total // k + (1 if i < total % k else 0) for i in range(k)]
+def shares(total: int, weights: int | Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights` (an int k: k equal parts), largest remainders
+    first, ties to the earlier parts: `shares(6, 4)` is [2, 2, 1, 1], `shares(6, [2, 1, 1])`
+    [3, 2, 1] (the odd place to the first of the tied)."""
+    w = [1.0] * weights if isinstance(weights, int) else [float(x) for x in weights]
+    if not w or min(w) <= 0:
+        raise ValueError(f"weights must be positive and not empty, got {weights!r}")
+    exact = [total * x / sum(w) for x in w]
+    out = [math.floor(e + 1e-9) for e in exact]
+    by_remainder = sorted(range(len(w)), key=lambda i: (-round(exact[i] - out[i], 9), i))
+    for i in by_remainder[:total - sum(out)]:
+        out[i] += 1
+    return out
 
 
 @dataclass
@@ -155,6 +155,7 @@ class _Stratum:
 
     key: Hashable
     stream: Iterator[Any]
+    weight: float  # its share of the step, against the other strata's
     quota: int  # groups with signal asked of it (grows by the places other strata hand on)
     budget: int  # groups it may draw
     share: int = 0  # its quota at the start, for the report
@@ -191,7 +192,7 @@ def _hand_on(strata: list[_Stratum]) -> bool:
         return False
     for st in short:
         st.quota = len(st.kept)
-    for st, extra in zip(live, shares(places, len(live)), strict=True):
+    for st, extra in zip(live, shares(places, [st.weight for st in live]), strict=True):
         st.quota += extra
         while st.spare and len(st.kept) < st.quota:
             st.kept.append(st.spare.pop(0))
@@ -205,6 +206,22 @@ def _next_round(strata: list[_Stratum]) -> list[tuple[_Stratum, Any]]:
     while not picked and _hand_on(strata):  # a stratum ran out while picking: hand on again
         picked = [(st, s) for st in strata for s in st.next_round()]
     return picked
+
+
+def weigh(strata: Iterable[Hashable],
+          weights: Mapping[Hashable, float] | None) -> dict[Hashable, float]:
+    """Each stratum's weight: `weights[stratum]`, or 1 where not named. A weight that is not a
+    positive number, or one naming no stratum, is refused by name."""
+    w = {key: 1.0 for key in strata}
+    for key, x in (weights or {}).items():
+        if key not in w:
+            raise ValueError(f"weights: {key!r} is not a stratum (strata: "
+                             f"{', '.join(map(str, w)) or 'none'})")
+        if isinstance(x, bool) or not isinstance(x, int | float) or not x > 0:
+            raise ValueError(f"weights: the weight of {key!r} must be a positive number, "
+                             f"got {x!r}")
+        w[key] = float(x)
+    return w
 
 
 def signal_rule(train_config: Any = None) -> Callable[[TrajectoryGroup], bool]:
@@ -233,11 +250,13 @@ async def gather_signal_groups(
     show_progress: bool = True,
     description: str = "gather",
     signal: Callable[[TrajectoryGroup], bool] | None = None,
+    weights: Mapping[Hashable, float] | None = None,
 ) -> SignalGroups:
     """Draw groups (`make_group(scenario)`: the rollouts of one scenario) from `scenarios` until
     `n_groups` of them have signal or `max_groups` (default `DEFAULT_BUDGET` x n_groups) have
     been drawn. `scenarios` may map strata to streams: the groups and the budget are then
-    shared out over them (step 5 of the module docstring). `max_exceptions` applies per round,
+    shared out over them, in proportion to `weights` where given (a stratum not named: 1;
+    step 5 of the module docstring). `max_exceptions` applies per round,
     as in `gather_trajectory_groups`, which raises `GatherError` beyond it. `signal`: whether
     a group has signal (default `TrajectoryGroup.has_signal`; `signal_rule(train_config)`
     gives the trainer's rule for a config)."""
@@ -251,11 +270,14 @@ async def gather_signal_groups(
                          f"got {max_groups!r}")
     stratified = isinstance(scenarios, Mapping)
     streams = dict(scenarios) if stratified else {None: scenarios}
+    if weights and not stratified:
+        raise ValueError("weights: scenarios must map strata to streams to weight them")
     if not streams:
         raise ValueError("scenarios: no strata to draw from")
-    strata = [_Stratum(key, iter(it), quota, budget, share=quota) for (key, it), quota, budget
-              in zip(streams.items(), shares(n_groups, len(streams)),
-                     shares(max_groups, len(streams)), strict=True)]
+    w = weigh(streams, weights)
+    strata = [_Stratum(key, iter(it), w[key], quota, budget, share=quota)
+              for (key, it), quota, budget in zip(streams.items(), shares(n_groups, list(w.values())),
+                                                  shares(max_groups, list(w.values())), strict=True)]
     out = SignalGroups(groups=[], skipped=[], asked=n_groups, drawn=0, budget=max_groups,
                        rounds=0)
     while picked := _next_round(strata):

@@ -31,11 +31,12 @@ BFCL's own checker, on a 2-core CPU.
    attempts all score alike are replaced, up to `oversample` x as many drawn), shared out over
    the four categories (`balance`: without it the steps fill up with the categories the model
    still varies on, and parallel, on which it collapses to one call, is hardly trained: 3 of 60
-   groups in 12 steps, 18 of 68 with it), parallel with `parallel_weight` (2) shares (with
-   one, the single-call items taught "one call" everywhere within four steps and held-out
-   parallel fell, 1/40 -> 0/40 at seed 1 twice; with two it held or rose at seeds 0-2,
-   docs/bfcl.md), x `rollouts_per_group` attempts sampled at `TEMPERATURE`, one GRPO step on
-   a LoRA, hot-swap (art_core.loop.train_loop).
+   groups in 12 steps, 18 of 68 with it), parallel weighted `parallel_weight` (2) against
+   1 for each other category (`train_loop(stratum_weights=...)`; with one share, the
+   single-call items taught "one call" everywhere within four steps and held-out parallel
+   fell, 1/40 -> 0/40 at seed 1 twice; with two it held or rose at seeds 0-2, docs/bfcl.md),
+   x `rollouts_per_group` attempts sampled at `TEMPERATURE`, one GRPO step on a LoRA,
+   hot-swap (art_core.loop.train_loop).
 
 The prompting is the same before and after: only the weights change. Several calls are
 allowed on every item (as OpenAI's API default, which BFCL's handler leaves alone), so how many
@@ -104,7 +105,7 @@ class Settings:
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
-    parallel_weight: int = 2  # parallel's share of a step's groups, in categories' shares
+    parallel_weight: float = 2.0  # parallel's share of a step's groups, in categories' shares
     kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
 
@@ -132,15 +133,6 @@ async def attempt(model: TrainableModel, worker: BfclWorker, task: Task,
     traj.metadata.update(id=item.id, category=item.category,
                          error_type=verdict.error_type or "")
     return traj
-
-
-def stratum(task: Task, parallel_weight: int = 1) -> str:
-    """The task's stratum for `balance`: its category, and `parallel` split `parallel_weight`
-    ways (by the item's number, so the same on every run), to give it that many shares."""
-    category = task.item.category
-    if category != "parallel" or parallel_weight == 1:
-        return category
-    return f"parallel{int(task.item.id.rsplit('_', 1)[1]) % parallel_weight}"
 
 
 def step_line(result: TrainResult, groups: list[TrajectoryGroup]) -> str:
@@ -207,7 +199,8 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                 rollouts_per_group=s.rollouts_per_group, eval_rollouts=1,
                 train_config=TrainConfig(learning_rate=s.learning_rate, kl_coef=s.kl_coef), seed=s.seed,
                 max_concurrency=16, oversample=s.oversample, on_step=step_line,
-                stratify=(lambda task: stratum(task, s.parallel_weight)) if s.balance else None)
+                stratify=(lambda task: task.item.category) if s.balance else None,
+                stratum_weights={"parallel": s.parallel_weight} if s.balance else None)
             first, last = min(loop.evals), loop.after.step
             before = summarize(held_out_results(run_dir, first))
             after = summarize(held_out_results(run_dir, last))
@@ -241,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-balance", dest="balance", action="store_false",
                    help="draw the step's items from all categories at once, not an even share "
                         "of each")
-    p.add_argument("--parallel-weight", type=int, default=d.parallel_weight,
+    p.add_argument("--parallel-weight", type=float, default=d.parallel_weight,
                    help="parallel's share of each step's groups, in categories' shares "
                         "(default: %(default)s)")
     p.add_argument("--kl-coef", type=float, default=d.kl_coef,
                    help="weight of a KL penalty to the base model (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
-    if a.parallel_weight < 1:
-        p.error(f"--parallel-weight must be 1 or more, got {a.parallel_weight}")
+    if not a.parallel_weight > 0:
+        p.error(f"--parallel-weight must be positive, got {a.parallel_weight}")
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
                                      count_credit=a.count_credit, call_credit=a.call_credit,

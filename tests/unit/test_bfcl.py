@@ -239,36 +239,21 @@ def test_the_examples_split_is_saved_and_a_different_one_refused(worker, tmp_pat
         example.the_split(worker, tmp_path, seed=1)
 
 
-@pytest.mark.parametrize(("item_id", "weight", "stratum"), [
-    ("simple_python_7", 2, "simple_python"),
-    ("irrelevance_3", 3, "irrelevance"),
-    ("parallel_7", 1, "parallel"),  # weight 1: the category itself
-    ("parallel_7", 2, "parallel1"),
-    ("parallel_8", 2, "parallel0"),
-    ("parallel_8", 3, "parallel2"),
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--parallel-weight", "0"], "--parallel-weight must be positive, got 0.0"),
+    (["--parallel-weight", "-2"], "--parallel-weight must be positive, got -2.0"),
+    (["--parallel-weight", "two"], "argument --parallel-weight: invalid float value: 'two'"),
 ])
-def test_the_examples_strata_split_parallel_by_its_weight(item_id, weight, stratum):
-    """`--parallel-weight k` gives `parallel` k strata (so k shares of each step's groups), by
-    the item's number: the same on every run and resume."""
+def test_the_examples_bad_options_are_refused_by_name(argv, message, capsys):
+    """`parallel`'s weight goes to `train_loop(stratum_weights=...)` (its share of each step is
+    tested in tests/unit/test_sampling.py); a weight that is not positive is refused before any
+    engine starts."""
     from tests.support.data import load_example
 
     example = load_example("bfcl_rl")
-    category = item_id.rsplit("_", 1)[0]
-    task = example.Task(Item(item_id, category, [], [], []), held_out=False)
-    assert example.stratum(task, weight) == stratum
-
-
-def test_parallel_weight_two_halves_the_parallel_items_and_doubles_their_share():
-    from art_core.loop import draws
-    from tests.support.data import load_example
-
-    example = load_example("bfcl_rl")
-    tasks = [example.Task(Item(f"{c}_{k}", c, [], [], []), held_out=False)
-             for c in ("simple_python", "parallel") for k in range(10)]
-    streams = draws(tasks, "s", 0, lambda t: example.stratum(t, 2))
-    assert sorted(streams) == ["parallel0", "parallel1", "simple_python"]
-    assert {next(streams["parallel1"]).item.id for _ in range(5)} == {
-        f"parallel_{k}" for k in (1, 3, 5, 7, 9)}
+    with pytest.raises(SystemExit):
+        example.main(argv)
+    assert message in capsys.readouterr().err
 
 
 @needs_worker

@@ -12,7 +12,7 @@ import pytest
 
 from art_core import Trajectory, TrajectoryGroup
 from art_core.loop import train_loop
-from art_core.sampling import gather_signal_groups, round_size, shuffled_passes
+from art_core.sampling import gather_signal_groups, round_size, shares, shuffled_passes
 from art_core.storage import read_jsonl
 from tests.support.counting import CountingModel
 
@@ -150,6 +150,50 @@ async def test_strata_share_the_step_and_hand_on_what_they_cannot_fill(
         assert "per stratum x 3/2 of 4, y 0/2 of 4" in messages[0]
 
 
+@pytest.mark.parametrize(("total", "weights", "parts"), [
+    (6, 4, [2, 2, 1, 1]),          # equal parts: the first ones one more
+    (6, [1, 1, 1, 1], [2, 2, 1, 1]),
+    (6, [2, 1, 1, 1], [3, 1, 1, 1]),  # 2.4, 1.2, 1.2, 1.2
+    (5, [1, 2, 1, 1], [1, 2, 1, 1]),  # exact
+    (3, [1, 2], [1, 2]),
+    (18, [1, 1, 1, 2, 1], [3, 3, 3, 6, 3]),
+    (1, [1, 3], [0, 1]),           # the largest remainder, not the first part
+    (0, [1, 2], [0, 0]),
+    (7, [0.5, 1.5], [2, 5]),       # 1.75, 5.25
+])
+def test_shares_split_in_proportion_to_the_weights(total, weights, parts):
+    assert shares(total, weights) == parts and sum(parts) == total
+
+
+@pytest.mark.parametrize(("kinds", "weights", "asked", "budget", "kept", "drawn"), [
+    # x weighs twice y: 2 of 3 places and 4 of 6 draws
+    ({"x": "MMMM", "y": "MMMM"}, {"x": 2}, 3, 6, {"x": 2, "y": 1}, 3),
+    ({"x": "MMMM", "y": "MMMM"}, {"x": 1, "y": 3}, 4, 8, {"x": 1, "y": 3}, 4),
+    # z never varies: its place goes to x, which weighs twice y
+    ({"x": "MMMMMM", "y": "MMMMMM", "z": "AAAAAA"}, {"x": 2, "y": 1, "z": 1}, 4, 8,
+     {"x": 3, "y": 1, "z": 0}, 7),
+])
+async def test_weighted_strata_get_their_share_of_the_places_and_the_budget(
+        kinds, weights, asked, budget, kept, drawn):
+    out = await gather_signal_groups(make_group, strata(**kinds), asked, max_groups=budget,
+                                     weights=weights, show_progress=False)
+    assert (out.by_stratum, out.drawn) == (kept, drawn)
+    assert all(g.has_signal for g in out.groups)
+
+
+@pytest.mark.parametrize(("scenarios", "weights", "message"), [
+    (strata(x="MM", y="MM"), {"w": 2}, "weights: 'w' is not a stratum"),
+    (strata(x="MM", y="MM"), {"x": 0}, "the weight of 'x' must be a positive number, got 0"),
+    (strata(x="MM", y="MM"), {"x": -1.5}, "must be a positive number, got -1.5"),
+    (strata(x="MM", y="MM"), {"x": "2"}, "must be a positive number, got '2'"),
+    (stream("MM"), {"x": 2}, "scenarios must map strata to streams to weight them"),
+])
+async def test_bad_weights_are_refused_by_name(scenarios, weights, message):
+    with pytest.raises(ValueError, match=message):
+        await gather_signal_groups(make_group, scenarios, 2, weights=weights,
+                                   show_progress=False)
+
+
 async def test_strata_keep_their_places_when_after_each_drops_a_group():
     def drop_first(group: TrajectoryGroup) -> TrajectoryGroup | None:
         return None if group.trajectories[0].metadata["scenario"] == str((MIXED, 0)) else group
@@ -227,9 +271,9 @@ async def stratified_loop(model: CountingModel, run_dir, steps: int, **kw: Any):
         counts[scenario] = counts.get(scenario, -1) + 1
         return traj(float(counts[scenario] % 2), scenario)  # 0, 1, 0, ...: every group mixed
 
+    kw = {"groups_per_step": 2, "stratify": lambda s: s[0], **kw}
     return await train_loop(model, one, train, [("a", 100)], run_dir, steps=steps,
-                            groups_per_step=2, rollouts_per_group=8, eval_rollouts=1,
-                            stratify=lambda s: s[0], print_fn=lambda s: None, **kw)
+                            rollouts_per_group=8, eval_rollouts=1, print_fn=lambda s: None, **kw)
 
 
 @pytest.mark.parametrize("oversample", [3.0, None])
@@ -243,6 +287,26 @@ async def test_the_loop_shares_each_step_over_the_strata(tmp_path, oversample):
     await stratified_loop(resumed, tmp_path / "r", steps=1, oversample=oversample)
     await stratified_loop(resumed, tmp_path / "r", steps=3, oversample=oversample)
     assert resumed.trained == model.trained  # a resumed run draws the same strata streams
+
+
+@pytest.mark.parametrize("oversample", [3.0, None])
+async def test_a_weighted_stratum_gets_its_share_of_every_step(tmp_path, oversample):
+    model = CountingModel()
+    await stratified_loop(model, tmp_path, steps=3, oversample=oversample,
+                          groups_per_step=3, stratum_weights={"b": 2})
+    # 'b' is 1 in 11 of the scenarios and weighs 2: two of every step's three groups
+    assert [sorted(x[2] for x in step) for step in model.trained] == [["a", "b", "b"]] * 3
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"stratum_weights": {"b": 2}, "stratify": None}, "stratum_weights: needs stratify"),
+    ({"stratum_weights": {"c": 2}}, "weights: 'c' is not a stratum"),
+])
+async def test_the_loop_refuses_weights_it_cannot_use(tmp_path, kw, message):
+    model = CountingModel()
+    with pytest.raises(ValueError, match=message):
+        await stratified_loop(model, tmp_path, steps=1, **kw)
+    assert model.trained == [] and not (tmp_path / "eval.jsonl").exists()
 
 
 async def test_no_budget_means_no_warning(caplog):
