@@ -77,7 +77,7 @@ def agent(task: str, llm: Any, tool: Any) -> tuple[Any, list[Any], list[Any]]:
                 demo.questions(demo.HELD_OUT_COUNTRIES))
     from art_langgraph.messages import to_openai_message
     from art_langgraph.recorder import TrajectoryRecorder
-    from benchmarks import vs_trl_agent as race
+    from benchmarks import agent_task as race
 
     graph = race.build_agent(llm, race.LOOKUPS["multi"], tool)
 

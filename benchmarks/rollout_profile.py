@@ -1,5 +1,5 @@
 """Where a rollout phase's time goes: the agent race's episodes (benchmarks/vs_trl_agent.py,
-`ours`) through our gateway, profiled from vLLM's own counters.
+`ours`, its task in agent_task.py) through our gateway, profiled from vLLM's own counters.
 
 For `--rounds` rounds, `--groups` x 8 episodes of the race's task run at once (no training in
 between: the rollout phase alone). Before and after each round the engine's Prometheus
@@ -73,8 +73,8 @@ def profile(before: dict[str, float], after: dict[str, float], calls: int) -> di
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, float]]:
+    import agent_task as race
     import vs_trl
-    import vs_trl_agent as race
 
     from art_core import LocalBackend, TrainableModel
     from art_langgraph import demo
@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, float]]:
                     before = read_metrics((await http.get(f"{engine.base_url}/metrics")).text)
                     t0 = time.perf_counter()
                     done = await asyncio.gather(*[rollout(t) for t in tasks
-                                                  for _ in range(race.GROUP_SIZE)])
+                                                  for _ in range(vs_trl.GROUP_SIZE)])
                     wall = time.perf_counter() - t0
                     after = read_metrics((await http.get(f"{engine.base_url}/metrics")).text)
                     turns = [turn for traj, _ in done for turn in traj.turns]
