@@ -14,7 +14,7 @@
    groups_per_step scenarios are trained whatever their rewards. `stratify(scenario)` (e.g. a
    benchmark's category) shares each step's groups out over the strata, each drawn from its own
    stream (sampling.py, step 5), `stratum_weights` (e.g. {"parallel": 2}) giving a stratum
-   more of each step than the others; which strata get the odd places turns with the step.
+   more of each step than the others; the odd places go round with the step.
 3. `evaluate` again (and after every `eval_every` steps, for a curve).
 
 A rollout here is a plain `async (scenario) -> Trajectory`: the caller binds model and tools.
@@ -210,14 +210,14 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
     history = []
     for i in range(steps):
         # seeded by the step, so a resumed run draws what an uninterrupted one would have
-        stream = draws(train, f"{seed}-{start + i}", start + i, stratify)
+        stream = draws(train, f"{seed}-{start + i}", stratify)
         description = f"step {start + i + 1} rollouts"
         sampling: dict[str, float] = {}
         if oversample is None:
             groups = await gather_trajectory_groups(
                 ([rollout(s) for _ in range(rollouts_per_group)]
                  for s in first_draws(stream, min(groups_per_step, len(train)),
-                                      stratum_weights)),
+                                      stratum_weights, start + i)),
                 max_exceptions=max_exceptions, after_each=after_each,
                 max_concurrency=max_concurrency, description=description)
         else:
@@ -227,7 +227,7 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
                                                 round(oversample * groups_per_step)),
                 max_exceptions=max_exceptions, after_each=after_each,
                 max_concurrency=max_concurrency, description=description,
-                signal=signal_rule(train_config), weights=stratum_weights)
+                signal=signal_rule(train_config), weights=stratum_weights, turn=start + i)
             # nothing with signal even within the budget: the step still advances (invariant 7)
             groups = found.groups or found.skipped[:groups_per_step]
             sampling = found.metrics()
@@ -246,27 +246,26 @@ async def train_loop(model: TrainableModel, rollout: RolloutFn, train: Sequence[
     return LoopResult(before=before, after=after, steps=history, evals=dict(sorted(evals.items())))
 
 
-def draws(train: list[Any], seed: str, step: int,
+def draws(train: list[Any], seed: str,
           stratify: Callable[[Any], Hashable] | None) -> Iterator[Any] | dict[Hashable, Iterator]:
-    """A step's stream of scenarios, or with `stratify` one per stratum (in a fixed order
-    turned by `step`, so the odd places of an uneven share move round)."""
+    """A step's stream of scenarios, or with `stratify` one per stratum (in their sorted order;
+    the odd places of an uneven share go round by the step: `shares`)."""
     if stratify is None:
         return shuffled_passes(train, seed)
     strata: dict[Hashable, list[Any]] = {}
     for s in train:
         strata.setdefault(stratify(s), []).append(s)
-    keys = sorted(strata, key=str)
-    turn = step % len(keys)
-    return {k: shuffled_passes(strata[k], f"{seed}-{k}") for k in keys[turn:] + keys[:turn]}
+    return {k: shuffled_passes(strata[k], f"{seed}-{k}") for k in sorted(strata, key=str)}
 
 
 def first_draws(stream: Iterator[Any] | dict[Hashable, Iterator], n: int,
-                weights: Mapping[Hashable, float] | None) -> list[Any]:
-    """The first `n` scenarios of a step's stream; of strata, each its share of `n`."""
+                weights: Mapping[Hashable, float] | None, turn: int) -> list[Any]:
+    """The first `n` scenarios of a step's stream; of strata, each its share of `n` (`shares`
+    at the step's `turn`)."""
     if not isinstance(stream, dict):
         return list(itertools.islice(stream, n))
     w = weigh(stream, weights)
-    return [s for (key, it), k in zip(stream.items(), shares(n, list(w.values())), strict=True)
+    return [s for it, k in zip(stream.values(), shares(n, list(w.values()), turn), strict=True)
             for s in itertools.islice(it, k)]
 
 

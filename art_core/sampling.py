@@ -24,8 +24,9 @@ a hard task most groups are like that (the demo measured 5 of 6 per step). DAPO 
    budget, or change the task's difficulty.)
 
 5. Strata (`scenarios` a mapping of stratum -> stream, e.g. a benchmark's categories): `n` and
-   the budget are split over the strata as evenly as they go (the first ones one more), or in
-   proportion to `weights` (a stratum of weight 2 gets twice the places and budget), and
+   the budget are split over the strata as evenly as they go, or in proportion to `weights` (a
+   stratum of weight 2 gets twice the places and budget), the odd places going round with
+   `turn` (a loop's step; `shares`), and
    each stratum runs steps 1-4 on its own stream within its share; a round draws from every
    stratum still short at once. A stratum that spends its budget or its scenarios without
    filling its places hands them to the strata that can still draw, by weight (their spare
@@ -74,18 +75,28 @@ def shuffled_passes(items: Sequence[T], seed: Any, offset: int = 0) -> Iterator[
                 yield items[i]
 
 
-def shares(total: int, weights: int | Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights` (an int k: k equal parts), largest remainders
-    first, ties to the earlier parts: `shares(6, 4)` is [2, 2, 1, 1], `shares(6, [2, 1, 1])`
-    [3, 2, 1] (the odd place to the first of the tied)."""
+def shares(total: int, weights: int | Sequence[float], turn: int = 0) -> list[int]:
+    """`total` places split in proportion to `weights` (an int k: k equal parts): the `turn`-th
+    block of `total` in one sequence of places, each place going to the part with the most weight
+    per place it already holds (Sainte-Lague: weight / (2 x held + 1)), ties to the earlier part.
+    A block is within about a place of the exact share, and successive blocks (a loop's steps)
+    pass the odd places round so that each part gets its share over the turns: `shares(6, 4)`
+    is [2, 2, 1, 1] and at turn 1 [1, 1, 2, 2]; `shares(6, [1, 1, 2, 1])` over turns 0-4
+    [1, 1, 3, 1], [2, 1, 2, 1], [1, 2, 2, 1], [1, 1, 2, 2], [1, 1, 3, 1]: 12 of 30 for the
+    weight of 2, as 2 of 5 asks."""
     w = [1.0] * weights if isinstance(weights, int) else [float(x) for x in weights]
     if not w or min(w) <= 0:
         raise ValueError(f"weights must be positive and not empty, got {weights!r}")
-    exact = [total * x / sum(w) for x in w]
-    out = [math.floor(e + 1e-9) for e in exact]
-    by_remainder = sorted(range(len(w)), key=lambda i: (-round(exact[i] - out[i], 9), i))
-    for i in by_remainder[:total - sum(out)]:
-        out[i] += 1
+    if total < 0 or turn < 0:
+        raise ValueError(f"total and turn must be >= 0, got {total}, {turn}")
+    if all(x.is_integer() for x in w):  # the sequence repeats every sum(w) blocks
+        turn %= int(sum(w))
+    held, out = [0] * len(w), [0] * len(w)
+    for place in range((turn + 1) * total):
+        i = max(range(len(w)), key=lambda j: (w[j] / (2 * held[j] + 1), -j))
+        held[i] += 1
+        if place >= turn * total:
+            out[i] += 1
     return out
 
 
@@ -181,10 +192,10 @@ class _Stratum:
         return picked
 
 
-def _hand_on(strata: list[_Stratum]) -> bool:
+def _hand_on(strata: list[_Stratum], turn: int) -> bool:
     """Give the places a stratum can no longer fill (its budget or scenarios spent) to the
-    strata that can still draw, as evenly as they go; a stratum's spare groups fill them first.
-    Whether any place moved."""
+    strata that can still draw, by weight (`shares` at `turn`); a stratum's spare groups fill
+    them first. Whether any place moved."""
     live = [st for st in strata if st.can_draw]
     short = [st for st in strata if not st.can_draw and len(st.kept) < st.quota]
     places = sum(st.quota - len(st.kept) for st in short)
@@ -192,18 +203,18 @@ def _hand_on(strata: list[_Stratum]) -> bool:
         return False
     for st in short:
         st.quota = len(st.kept)
-    for st, extra in zip(live, shares(places, [st.weight for st in live]), strict=True):
+    for st, extra in zip(live, shares(places, [st.weight for st in live], turn), strict=True):
         st.quota += extra
         while st.spare and len(st.kept) < st.quota:
             st.kept.append(st.spare.pop(0))
     return True
 
 
-def _next_round(strata: list[_Stratum]) -> list[tuple[_Stratum, Any]]:
+def _next_round(strata: list[_Stratum], turn: int) -> list[tuple[_Stratum, Any]]:
     """The scenarios of the next round, each with its stratum (none: nothing left to draw)."""
-    _hand_on(strata)
+    _hand_on(strata, turn)
     picked = [(st, s) for st in strata for s in st.next_round()]
-    while not picked and _hand_on(strata):  # a stratum ran out while picking: hand on again
+    while not picked and _hand_on(strata, turn):  # a stratum ran out while picking: hand on again
         picked = [(st, s) for st in strata for s in st.next_round()]
     return picked
 
@@ -251,12 +262,13 @@ async def gather_signal_groups(
     description: str = "gather",
     signal: Callable[[TrajectoryGroup], bool] | None = None,
     weights: Mapping[Hashable, float] | None = None,
+    turn: int = 0,
 ) -> SignalGroups:
     """Draw groups (`make_group(scenario)`: the rollouts of one scenario) from `scenarios` until
     `n_groups` of them have signal or `max_groups` (default `DEFAULT_BUDGET` x n_groups) have
     been drawn. `scenarios` may map strata to streams: the groups and the budget are then
     shared out over them, in proportion to `weights` where given (a stratum not named: 1;
-    step 5 of the module docstring). `max_exceptions` applies per round,
+    step 5 of the module docstring), `turn` (a loop's step) passing the odd places round. `max_exceptions` applies per round,
     as in `gather_trajectory_groups`, which raises `GatherError` beyond it. `signal`: whether
     a group has signal (default `TrajectoryGroup.has_signal`; `signal_rule(train_config)`
     gives the trainer's rule for a config)."""
@@ -276,11 +288,13 @@ async def gather_signal_groups(
         raise ValueError("scenarios: no strata to draw from")
     w = weigh(streams, weights)
     strata = [_Stratum(key, iter(it), w[key], quota, budget, share=quota)
-              for (key, it), quota, budget in zip(streams.items(), shares(n_groups, list(w.values())),
-                                                  shares(max_groups, list(w.values())), strict=True)]
+              for (key, it), quota, budget in zip(streams.items(),
+                                                  shares(n_groups, list(w.values()), turn),
+                                                  shares(max_groups, list(w.values()), turn),
+                                                  strict=True)]
     out = SignalGroups(groups=[], skipped=[], asked=n_groups, drawn=0, budget=max_groups,
                        rounds=0)
-    while picked := _next_round(strata):
+    while picked := _next_round(strata, turn):
         out.rounds += 1
         out.drawn += len(picked)
         out.scenarios.extend(s for _, s in picked)

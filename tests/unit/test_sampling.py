@@ -150,19 +150,27 @@ async def test_strata_share_the_step_and_hand_on_what_they_cannot_fill(
         assert "per stratum x 3/2 of 4, y 0/2 of 4" in messages[0]
 
 
-@pytest.mark.parametrize(("total", "weights", "parts"), [
-    (6, 4, [2, 2, 1, 1]),          # equal parts: the first ones one more
-    (6, [1, 1, 1, 1], [2, 2, 1, 1]),
-    (6, [2, 1, 1, 1], [3, 1, 1, 1]),  # 2.4, 1.2, 1.2, 1.2
-    (5, [1, 2, 1, 1], [1, 2, 1, 1]),  # exact
-    (3, [1, 2], [1, 2]),
-    (18, [1, 1, 1, 2, 1], [3, 3, 3, 6, 3]),
-    (1, [1, 3], [0, 1]),           # the largest remainder, not the first part
-    (0, [1, 2], [0, 0]),
-    (7, [0.5, 1.5], [2, 5]),       # 1.75, 5.25
+@pytest.mark.parametrize(("total", "weights", "turns"), [
+    # equal parts: the first ones one more, then the others
+    (6, 4, [[2, 2, 1, 1], [1, 1, 2, 2], [2, 2, 1, 1]]),
+    (6, [1, 1, 1, 1], [[2, 2, 1, 1], [1, 1, 2, 2]]),
+    # 2.4 of 6 for the weight of 2: 3, 2, 2, 2, 3 over five turns, 12 of 30
+    (6, [1, 1, 2, 1], [[1, 1, 3, 1], [2, 1, 2, 1], [1, 2, 2, 1], [1, 1, 2, 2], [1, 1, 3, 1]]),
+    (5, [1, 2, 1, 1], [[1, 2, 1, 1]] * 3),  # exact: the same every turn
+    (18, [1, 1, 1, 2, 1], [[3, 3, 3, 6, 3]]),
+    (1, [1, 3], [[0, 1], [1, 0], [0, 1], [0, 1]]),  # the heavier first; 1 in 4 to the other
+    (0, [1, 2], [[0, 0], [0, 0]]),
+    (7, [0.5, 1.5], [[2, 5], [2, 5]]),  # 1.75, 5.25
 ])
-def test_shares_split_in_proportion_to_the_weights(total, weights, parts):
-    assert shares(total, weights) == parts and sum(parts) == total
+def test_shares_split_in_proportion_to_the_weights_over_the_turns(total, weights, turns):
+    for turn, parts in enumerate(turns):
+        assert shares(total, weights, turn) == parts, turn
+    n = len(weights) if isinstance(weights, list) else weights
+    w = weights if isinstance(weights, list) else [1] * n
+    over = [sum(col) for col in zip(*(shares(total, w, t) for t in range(int(sum(w)))),
+                                    strict=True)]
+    if all(isinstance(x, int) for x in w):  # over sum(w) turns: exactly in proportion
+        assert over == [total * x for x in w]
 
 
 @pytest.mark.parametrize(("kinds", "weights", "asked", "budget", "kept", "drawn"), [
@@ -296,6 +304,12 @@ async def test_a_weighted_stratum_gets_its_share_of_every_step(tmp_path, oversam
                           groups_per_step=3, stratum_weights={"b": 2})
     # 'b' is 1 in 11 of the scenarios and weighs 2: two of every step's three groups
     assert [sorted(x[2] for x in step) for step in model.trained] == [["a", "b", "b"]] * 3
+    model = CountingModel()
+    await stratified_loop(model, tmp_path / "2", steps=3, oversample=oversample,
+                          groups_per_step=2, stratum_weights={"b": 2})
+    # 4 of 6 places over three steps: one step gives its odd place to 'a'
+    assert sorted(sorted(x[2] for x in step) for step in model.trained) == [
+        ["a", "b"], ["a", "b"], ["b", "b"]]
 
 
 @pytest.mark.parametrize(("kw", "message"), [
