@@ -114,13 +114,18 @@ async def test_a_straggler_trains_within_the_bound_and_is_dropped_beyond_it(
     slow: dict[str, str] = {}
 
     async def hold(scenario: str, step: int) -> None:
-        # the first scenario drawn, at step 0, finishes only once the policy is `behind` ahead
-        # (noticed within 0.05 s); every other group takes 0.5 s, so it comes after
+        # The first group drawn, at step 0, finishes only once the policy is `behind` ahead
+        # (noticed within 0.05 s); the next one at once (step 1 trains on it); every later one
+        # 1 s after the policy has passed the step it started at. So the slow group, freed by a
+        # step, is stored before any group started under the same policy however long a step
+        # takes (a fixed 0.5 s lost that race on a loaded machine, where a step took longer).
         if slow.setdefault("scenario", scenario) == scenario and step == 0:
             while await model.get_step() < behind:
                 await asyncio.sleep(0.05)
-        else:
-            await asyncio.sleep(0.5)
+        elif slow.setdefault("next", scenario) != scenario or step > 0:
+            while await model.get_step() <= step:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
 
     try:
         rollout = made_up_rollout(model, tokenizer(backend, model), hold)
