@@ -65,10 +65,28 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+def finished_records(run_dir: Path, deadline_s: float = 300.0) -> list[Any]:
+    """The run file's records once its `exit` record is in. `run.finish()` returns when the W&B
+    service has the exit; the file may still be written a moment later on a loaded machine
+    (CI read a file with no history rows once). The deadline only bounds a hang."""
     (path,) = run_dir.glob("run-*.wandb")
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except AssertionError:  # a chunk still being written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > end:
+            kinds = [r.WhichOneof("record_type") for r in records]
+            raise AssertionError(f"{path}: no exit record after {deadline_s:.0f} s: {kinds}")
+        time.sleep(0.2)
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    for rec in wandb_records(path):
+    for rec in finished_records(run_dir):
         if rec.WhichOneof("record_type") == "history":
             row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                    for i in rec.history.item}
@@ -88,17 +106,20 @@ async def test_wandb_offline_run_holds_metrics_at_steps_and_trajectory_tables(
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("ART_LOGGERS", "none")  # only the logger given here
     wandb = WandbLogger(project="art-test", dir=tmp_path / "wb", mode="offline",
-                        log_checkpoints=True)
+                        log_checkpoints=True, init_timeout_s=300)  # the service starts slowly under load
     backend, model = await make_backend(tmp_path / "run", tiny_models["llama"], loggers=[wandb])
+    # a loaded machine may need more than the default minute to hand both steps to W&B
+    backend.loggers.close_timeout_s = 600
     metrics = await train_steps(backend, model, steps=2, val=True)
     await backend.close()  # finishes the W&B run
     assert backend.loggers.failures == {}
+    assert wandb.runs == {}, "the loggers' close did not reach WandbLogger.close"
 
     (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*-agent")  # id: the model name
     rows = wandb_history(run_dir)
     train = [r for r in rows if "train/reward_mean" in r]
     val = [r for r in rows if "val/reward_mean" in r]
-    assert [r["training_step"] for r in train] == [1, 2]
+    assert [r["training_step"] for r in train] == [1, 2], [sorted(r) for r in rows]
     assert [r["training_step"] for r in val] == [1, 2]
     for row, m in zip(train, metrics, strict=True):
         assert row["train/loss"] == pytest.approx(m["loss"])
@@ -124,8 +145,7 @@ async def test_wandb_offline_run_holds_metrics_at_steps_and_trajectory_tables(
     failed_rows = json.loads((run_dir / "files" / failed["path"]).read_text())["data"]
     assert failed_rows[0][2:4] == ["TimeoutError", "tool lookup timed out"]
     # checkpoints as artifacts: one per train step
-    kinds = [r.WhichOneof("record_type") for r in
-             wandb_records(next(run_dir.glob("run-*.wandb")))]
+    kinds = [r.WhichOneof("record_type") for r in finished_records(run_dir)]
     assert kinds.count("artifact") >= 2
 
 
