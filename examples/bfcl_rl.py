@@ -106,6 +106,7 @@ class Settings:
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
     parallel_weight: float = 2.0  # parallel's share of a step's groups, in categories' shares
+    irrelevance_weight: float = 1.0  # irrelevance's share (places and draws) likewise
     kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
 
@@ -200,7 +201,8 @@ async def run(path: str = ".art", settings: Settings | None = None, fresh: bool 
                 train_config=TrainConfig(learning_rate=s.learning_rate, kl_coef=s.kl_coef), seed=s.seed,
                 max_concurrency=16, oversample=s.oversample, on_step=step_line,
                 stratify=(lambda task: task.item.category) if s.balance else None,
-                stratum_weights={"parallel": s.parallel_weight} if s.balance else None)
+                stratum_weights={"parallel": s.parallel_weight,
+                                 "irrelevance": s.irrelevance_weight} if s.balance else None)
             first, last = min(loop.evals), loop.after.step
             before = summarize(held_out_results(run_dir, first))
             after = summarize(held_out_results(run_dir, last))
@@ -237,16 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel-weight", type=float, default=d.parallel_weight,
                    help="parallel's share of each step's groups, in categories' shares "
                         "(default: %(default)s)")
+    p.add_argument("--irrelevance-weight", type=float, default=d.irrelevance_weight,
+                   help="irrelevance's share of each step's groups and draws, in categories' "
+                        "shares (default: %(default)s)")
     p.add_argument("--kl-coef", type=float, default=d.kl_coef,
                    help="weight of a KL penalty to the base model (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="start over: delete the run's model")
     a = p.parse_args(argv)
-    if not a.parallel_weight > 0:
-        p.error(f"--parallel-weight must be positive, got {a.parallel_weight}")
+    for flag, w in (("--parallel-weight", a.parallel_weight),
+                    ("--irrelevance-weight", a.irrelevance_weight)):
+        if not w > 0:
+            p.error(f"{flag} must be positive, got {w}")
     asyncio.run(run(a.path, Settings(a.steps, a.groups_per_step, a.rollouts_per_group,
                                      a.learning_rate, a.seed, oversample=a.oversample,
                                      count_credit=a.count_credit, call_credit=a.call_credit,
                                      balance=a.balance, parallel_weight=a.parallel_weight,
+                                     irrelevance_weight=a.irrelevance_weight,
                                      kl_coef=a.kl_coef),
                     a.fresh))
     return 0

@@ -243,6 +243,7 @@ def test_the_examples_split_is_saved_and_a_different_one_refused(worker, tmp_pat
     (["--parallel-weight", "0"], "--parallel-weight must be positive, got 0.0"),
     (["--parallel-weight", "-2"], "--parallel-weight must be positive, got -2.0"),
     (["--parallel-weight", "two"], "argument --parallel-weight: invalid float value: 'two'"),
+    (["--irrelevance-weight", "0"], "--irrelevance-weight must be positive, got 0.0"),
 ])
 def test_the_examples_bad_options_are_refused_by_name(argv, message, capsys):
     """`parallel`'s weight goes to `train_loop(stratum_weights=...)` (its share of each step is
