@@ -31,10 +31,14 @@ BFCL's own checker, on a 2-core CPU.
    attempts all score alike are replaced, up to `oversample` x as many drawn), shared out over
    the four categories (`balance`: without it the steps fill up with the categories the model
    still varies on, and parallel, on which it collapses to one call, is hardly trained: 3 of 60
-   groups in 12 steps, 18 of 68 with it), parallel weighted `parallel_weight` (2) against
-   1 for each other category (`train_loop(stratum_weights=...)`; with one share, the
-   single-call items taught "one call" everywhere within four steps and held-out parallel
-   fell, 1/40 -> 0/40 at seed 1 twice; with two it held or rose at seeds 0-2, docs/bfcl.md),
+   groups in 12 steps, 18 of 68 with it), `parallel` and `irrelevance` weighted 3 each
+   (`parallel_weight`, `irrelevance_weight`) against 1 for `simple_python` and `multiple`
+   (`train_loop(stratum_weights=...)`, a share of places and of draws). With one share for
+   all, the single-call items taught "one call" everywhere within four steps and held-out
+   parallel fell (1/40 -> 0/40 at seed 1, twice). With `parallel` at 2 and `irrelevance`
+   at 1, the forced calls of the other categories taught calling where nothing fits, and
+   `irrelevance` groups found signal only once that drift had happened, a few draws a step:
+   held-out irrelevance 40/40 -> 32/40 at seed 1. With 3 and 3 seed 1 held both (docs/bfcl.md),
    x `rollouts_per_group` attempts sampled at `TEMPERATURE`, one GRPO step on a LoRA,
    hot-swap (art_core.loop.train_loop).
 
@@ -105,8 +109,9 @@ class Settings:
     count_credit: float = 0.2  # reward of a failed answer with the right number of calls
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
-    parallel_weight: float = 2.0  # parallel's share of a step's groups, in categories' shares
-    irrelevance_weight: float = 1.0  # irrelevance's share (places and draws) likewise
+    # shares of a step's groups and draws against 1 for simple_python and multiple (docs/bfcl.md)
+    parallel_weight: float = 3.0  # 2 held parallel, but irrelevance fell at seed 1
+    irrelevance_weight: float = 3.0  # 1: a few draws a step, behind the drift to calling
     kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
 
