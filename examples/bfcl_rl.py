@@ -38,7 +38,8 @@ BFCL's own checker, on a 2-core CPU.
    parallel fell (1/40 -> 0/40 at seed 1, twice). With `parallel` at 2 and `irrelevance`
    at 1, the forced calls of the other categories taught calling where nothing fits, and
    `irrelevance` groups found signal only once that drift had happened, a few draws a step:
-   held-out irrelevance 40/40 -> 32/40 at seed 1. With 3 and 3 seed 1 held both (docs/bfcl.md),
+   held-out irrelevance 40/40 -> 32/40 at seed 1. With 3 and 3 seeds 0 and 1 held both
+   (docs/bfcl.md),
    x `rollouts_per_group` attempts sampled at `TEMPERATURE`, one GRPO step on a LoRA,
    hot-swap (art_core.loop.train_loop).
 
@@ -110,7 +111,7 @@ class Settings:
     call_credit: float = 0.5  # reward of a failed answer per expected call it got right
     balance: bool = True  # each step's groups shared out over the categories (strata)
     # shares of a step's groups and draws against 1 for simple_python and multiple (docs/bfcl.md)
-    parallel_weight: float = 3.0  # 2 held parallel, but irrelevance fell at seed 1
+    parallel_weight: float = 3.0  # 2 beside irrelevance at 3: parallel 1/40 -> 0/40 at seed 1
     irrelevance_weight: float = 3.0  # 1: a few draws a step, behind the drift to calling
     kl_coef: float = 0.0  # TrainConfig.kl_coef: a pull towards the base model
 
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="draw the step's items from all categories at once, not an even share "
                         "of each")
     p.add_argument("--parallel-weight", type=float, default=d.parallel_weight,
-                   help="parallel's share of each step's groups, in categories' shares "
-                        "(default: %(default)s)")
+                   help="parallel's share of each step's groups and draws, in categories' "
+                        "shares (default: %(default)s)")
     p.add_argument("--irrelevance-weight", type=float, default=d.irrelevance_weight,
                    help="irrelevance's share of each step's groups and draws, in categories' "
                         "shares (default: %(default)s)")
